@@ -1,0 +1,24 @@
+# The two commands of the README: `make train` (the main job) and `make test` (the suite).
+PY ?= python3
+PIP := $(PY) -m pip
+TORCH_PIN ?= torch==2.13.0
+ARGS ?=
+
+.PHONY: setup train test lint bench-cpu
+
+# Keep a torch that is already installed (a CUDA build, say); install the CPU pin only when missing.
+setup:
+	@$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH_PIN)"
+	@$(PIP) install -q -e ".[test]"
+
+train: setup
+	$(PY) -m lightning_zero.train $(ARGS)
+
+test: setup
+	$(PY) -m pytest -q tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; rc=0; fi; exit $$rc
+
+lint: setup
+	$(PY) -m ruff check lightning_zero tests examples
+
+bench-cpu: setup
+	$(PY) examples/bench/cpu_step.py

@@ -1,0 +1,117 @@
+"""Every data-moving collective of lightning_zero, behind one explicit process group.
+
+[Note: why one module]
+Engine logic never calls torch.distributed itself: it hands tensors and a ``Comm`` here.
+That keeps the torch-version shim, gloo portability, the traffic counters and the
+world-size-1 shortcut in one place, and lets tests count exactly what a step moved.
+
+torch 2.13 names the flat collectives ``reduce_scatter_single``/``all_gather_single``;
+2.11 has only ``reduce_scatter_tensor``/``all_gather_into_tensor``. Gloo has no AVG, so
+averages are SUM followed by a division done by the caller.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["Comm", "Handle"]
+
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class Handle:
+    """An in-flight collective; ``wait()`` is idempotent and a no-op for finished work."""
+
+    __slots__ = ("_work", "keep")
+
+    def __init__(self, work: Any = None, keep: tuple = ()) -> None:
+        self._work = work
+        self.keep = keep  # tensors that must outlive the collective
+
+    def wait(self) -> None:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        self.keep = ()
+
+
+@dataclass
+class Comm:
+    """Collectives over ``group`` (None = the default group) for one rank.
+
+    Args:
+        rank: this process's rank in ``group``.
+        world_size: number of ranks in ``group``.
+        group: the process group; ignored when ``world_size`` is 1.
+    """
+
+    rank: int = 0
+    world_size: int = 1
+    group: Optional[Any] = None
+    bytes_moved: Counter = field(default_factory=Counter)  # op name -> bytes of full-size tensor
+
+    @classmethod
+    def from_group(cls, group: Optional[Any] = None) -> "Comm":
+        if not (dist.is_available() and dist.is_initialized()):
+            return cls()
+        return cls(dist.get_rank(group), dist.get_world_size(group), group)
+
+    @property
+    def backend(self) -> str:
+        if self.world_size == 1:
+            return "none"
+        return str(dist.get_backend(self.group))
+
+    def _count(self, op: str, tensor: torch.Tensor) -> None:
+        self.bytes_moved[op] += tensor.numel() * tensor.element_size()
+
+    def reduce_scatter(self, output: torch.Tensor, full: torch.Tensor, async_op: bool = False) -> Handle:
+        """Sum ``full`` (world_size * len(output) elements) across ranks; keep this rank's chunk."""
+        self._count("reduce_scatter", full)
+        if self.world_size == 1:
+            output.copy_(full)
+            return Handle()
+        work = _REDUCE_SCATTER(output, full, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op)
+        return Handle(work, (output, full))
+
+    def all_gather(self, full: torch.Tensor, shard: torch.Tensor, async_op: bool = False) -> Handle:
+        """Concatenate every rank's ``shard`` into ``full``; ``shard`` may be a view of ``full``."""
+        self._count("all_gather", full)
+        if self.world_size == 1:
+            if shard.data_ptr() != full.data_ptr():
+                full.copy_(shard)
+            return Handle()
+        work = _ALL_GATHER(full, shard, group=self.group, async_op=async_op)
+        return Handle(work, (full, shard))
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """In-place all-reduce of a small tensor (norms, overflow flags); ``op`` is sum or max."""
+        if self.world_size > 1:
+            reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
+            dist.all_reduce(tensor, op=reduce_op, group=self.group)
+        return tensor
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """In-place broadcast from group rank ``src``."""
+        if self.world_size > 1:
+            self._count("broadcast", tensor)
+            dist.broadcast(tensor, src=dist.get_global_rank(self.group, src) if self.group else src,
+                           group=self.group)
+        return tensor
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's picklable ``obj`` (diagnostics only: slow, never on the hot path)."""
+        if self.world_size == 1:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def reset_counters(self) -> None:
+        self.bytes_moved.clear()

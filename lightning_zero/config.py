@@ -1,0 +1,151 @@
+"""ZeroConfig: the one typed description of a ZeRO run.
+
+The strategy constructor, the Hydra schema (``conf/strategy/*.yaml`` holds exactly these
+field names) and the DeepSpeed-JSON importer all produce this object. Code asks the derived
+flags (``shard_grads``, ``shard_params``) instead of comparing ``stage`` numbers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Optional
+
+__all__ = ["ZeroConfig", "ZeroConfigError", "DTYPE_NAMES"]
+
+# Names accepted wherever a dtype is configured; values are torch dtype attribute names.
+DTYPE_NAMES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16",
+               "fp16": "float16", "float16": "float16", "half": "float16"}
+
+
+class ZeroConfigError(ValueError):
+    """A ZeroConfig field has a value that cannot work; the message names the field and the fix."""
+
+
+@dataclass(frozen=True)
+class ZeroConfig:
+    """Settings of a ZeRO run. Every field is validated in ``__post_init__``.
+
+    Args:
+        stage: 1 shards optimizer state, 2 also gradients, 3 also parameters.
+        reduce_bucket_size: elements per gradient bucket (stages 1/2). A bucket is also the
+            unit that is sharded evenly across ranks, so it bounds the transient full-size
+            gradient buffer a rank holds while a reduce-scatter is in flight.
+        overlap_comm: launch each bucket's reduce-scatter as soon as its gradients are ready,
+            while backward continues; False reduces everything once backward has finished.
+        reduce_dtype: dtype gradients are communicated in ("fp32", "bf16", "fp16"); None
+            keeps the dtype autograd produced (half the traffic in mixed precision).
+        allow_untested_optimizer: step optimizers whose math is not known to be elementwise
+            (their result on flat shards may differ from unsharded training).
+        loss_scale: 0 selects dynamic loss scaling for fp16; a positive value is a static scale.
+        initial_scale_power: the dynamic scale starts at 2**initial_scale_power.
+        loss_scale_window: clean steps after which the dynamic scale doubles.
+        hysteresis: overflows tolerated before the scale is halved (reset when the scale grows).
+        min_loss_scale: the scale never goes below this; an overflow at it is an error.
+        wrap_modules: stage 3: class names of the modules that form one gathered group each
+            (e.g. ``["Block"]``); empty selects groups by size (``min_group_params``).
+        min_group_params: stage 3 size policy: a module subtree with at least this many
+            parameters not yet grouped becomes a group.
+        prefetch: stage 3: groups whose all-gather is issued ahead of use (0 disables).
+        param_persistence_threshold: stage 3: groups with fewer elements stay gathered.
+        activation_checkpointing: class names of modules to run under torch's non-reentrant
+            activation checkpointing (recomputation re-gathers stage-3 groups).
+        collective_timeout_s: seconds a rank waits in a collective before it fails with an
+            error (instead of hanging when ranks disagree, e.g. uneven evaluation batches).
+    """
+
+    stage: int = 2
+    reduce_bucket_size: int = 50_000_000
+    overlap_comm: bool = True
+    reduce_dtype: Optional[str] = None
+    allow_untested_optimizer: bool = False
+    loss_scale: float = 0.0
+    initial_scale_power: int = 16
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+    min_loss_scale: float = 1.0
+    wrap_modules: tuple[str, ...] = ()
+    min_group_params: int = 10_000_000
+    prefetch: int = 1
+    param_persistence_threshold: int = 100_000
+    activation_checkpointing: tuple[str, ...] = ()
+    collective_timeout_s: float = 1800.0
+
+    def __post_init__(self) -> None:
+        for name in ("wrap_modules", "activation_checkpointing"):
+            value = getattr(self, name)
+            if isinstance(value, str):
+                value = (value,)
+            object.__setattr__(self, name, tuple(_class_name(v) for v in value))
+        _check(self.stage in (1, 2, 3), "stage", self.stage, "use 1, 2 or 3 (zero1/zero2/zero3)")
+        for name in ("reduce_bucket_size", "min_group_params"):
+            value = getattr(self, name)
+            _check(isinstance(value, int) and value > 0, name, value, "use a positive number of elements")
+        for name in ("prefetch", "param_persistence_threshold", "initial_scale_power"):
+            value = getattr(self, name)
+            _check(isinstance(value, int) and value >= 0, name, value, "use an integer >= 0")
+        _check(self.reduce_dtype is None or self.reduce_dtype in DTYPE_NAMES, "reduce_dtype",
+               self.reduce_dtype, f"use one of {sorted(set(DTYPE_NAMES))} or null")
+        _check(self.loss_scale >= 0, "loss_scale", self.loss_scale, "use 0 (dynamic) or a positive static scale")
+        _check(isinstance(self.loss_scale_window, int) and self.loss_scale_window > 0, "loss_scale_window",
+               self.loss_scale_window, "use a positive number of steps")
+        _check(isinstance(self.hysteresis, int) and self.hysteresis >= 1, "hysteresis", self.hysteresis,
+               "use an integer >= 1 (1 halves the scale at the first overflow)")
+        _check(self.min_loss_scale > 0, "min_loss_scale", self.min_loss_scale, "use a positive scale")
+        _check(self.min_loss_scale <= 2.0**self.initial_scale_power or self.loss_scale > 0, "min_loss_scale",
+               self.min_loss_scale, "keep it at or below 2**initial_scale_power")
+        _check(self.collective_timeout_s > 0, "collective_timeout_s", self.collective_timeout_s,
+               "use a positive number of seconds")
+
+    # Derived flags: the stage is a policy, read through these.
+    @property
+    def shard_optimizer(self) -> bool:
+        return True
+
+    @property
+    def shard_grads(self) -> bool:
+        return self.stage >= 2
+
+    @property
+    def shard_params(self) -> bool:
+        return self.stage >= 3
+
+    def replace(self, **changes: Any) -> "ZeroConfig":
+        """A copy with ``changes`` applied (validated like a new config)."""
+        _reject_unknown(changes)
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> "ZeroConfig":
+        """Build from a plain mapping (a Hydra node, a YAML file); unknown keys are an error."""
+        values = dict(values)
+        values.pop("_target_", None)
+        _reject_unknown(values)
+        return cls(**values)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) }
+
+
+def field_names() -> list[str]:
+    return [f.name for f in dataclasses.fields(ZeroConfig) ]
+
+
+def _reject_unknown(values: dict[str, Any]) -> None:
+    import difflib
+
+    known = field_names()
+    for key in values:
+        if key not in known:
+            close = difflib.get_close_matches(key, known, n=1)
+            hint = f" Did you mean '{close[0]}'?" if close else ""
+            raise ZeroConfigError(f"Unknown ZeroConfig option '{key}'.{hint} Valid options: {', '.join(known)}.")
+
+
+def _class_name(value: Any) -> str:
+    return value if isinstance(value, str) else getattr(value, "__name__", str(value))
+
+
+def _check(ok: bool, name: str, value: Any, fix: str) -> None:
+    if not ok:
+        raise ZeroConfigError(f"ZeroConfig.{name}={value!r} is invalid: {fix}.")

@@ -1,0 +1,228 @@
+"""ZeroEngine: ZeRO for a module and its optimizers, usable from plain PyTorch.
+
+    engine = ZeroEngine(model, [optimizer], ZeroConfig(stage=2), Comm.from_group(), device)
+    loss.backward()                       # hooks reduce-scatter gradients as they are ready
+    engine.clip_grad_norm_(optimizer, 1.0)
+    optimizer.step(); engine.after_step(optimizer); optimizer.zero_grad()
+
+The stage is a policy read from the config's derived flags: stage 1 keeps full gradients
+and reduces at the end of the accumulation window, stage 2 reduces every micro-batch and
+keeps only the gradient shard, stage 3 also keeps only the parameter shard between uses
+(see :mod:`lightning_zero.engine.gather`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable, Optional, Union
+
+import torch
+from torch import nn
+
+from ..collectives import Comm
+from ..config import DTYPE_NAMES, ZeroConfig
+from ..partition import layout_unit, plan_buckets
+from .flat_unit import FlatUnit, UnitState
+from .grads import GradientReducer
+from .optim import check_optimizer, point_at_masters
+
+__all__ = ["ZeroEngine", "dtype_of"]
+
+
+def dtype_of(name: Optional[str], default: torch.dtype) -> torch.dtype:
+    return default if name is None else getattr(torch, DTYPE_NAMES[name])
+
+
+class ZeroEngine:
+    """Flattens, shards and steps ``module``'s parameters owned by ``optimizers``.
+
+    Args:
+        module: the model; its parameters become views into flat unit buffers.
+        optimizers: the user's optimizers (kept; their param groups are re-pointed).
+        config: the ZeRO policy.
+        comm: collectives over the data-parallel group.
+        device: where buffers live.
+        compute_dtype: dtype of parameters and gradients in the module (fp32, bf16, fp16).
+    """
+
+    def __init__(self, module: nn.Module, optimizers: list[torch.optim.Optimizer], config: ZeroConfig,
+                 comm: Comm, device: torch.device, compute_dtype: torch.dtype = torch.float32) -> None:
+        self.module = module
+        self.optimizers = list(optimizers)
+        self.config = config
+        self.comm = comm
+        self.device = torch.device(device)
+        self.compute_dtype = compute_dtype
+        self.reduce_dtype = dtype_of(config.reduce_dtype, compute_dtype)
+        for optimizer in self.optimizers:
+            check_optimizer(optimizer, config.allow_untested_optimizer)
+        self.names = {id(p): n for n, p in module.named_parameters()}
+        self._position = {id(p): i for i, (_, p) in enumerate(module.named_parameters())}
+        self.units: list[FlatUnit] = []
+        self.units_of: dict[int, list[FlatUnit]] = {}  # id(optimizer) -> its units
+        groups = self._param_groups()
+        self._build_units(groups)
+        self._prepare_unmanaged()
+        for k, optimizer in enumerate(self.optimizers):
+            masters = [[u.master for u in self.units if u.group_index == (k, g)]
+                       for g in range(len(optimizer.param_groups))]
+            point_at_masters(optimizer, masters)
+            self.units_of[id(optimizer)] = [u for u in self.units if u.group_index[0] == k]
+        self.reducer = GradientReducer([u for u in self.units if u.params], comm, config.shard_grads,
+                                       config.overlap_comm)
+
+    # ---- construction -------------------------------------------------------------
+    def _param_groups(self) -> list[tuple[tuple[int, int], list[nn.Parameter]]]:
+        seen: dict[int, str] = {}
+        groups = []
+        for k, optimizer in enumerate(self.optimizers):
+            for g, group in enumerate(optimizer.param_groups):
+                params = []
+                for p in group["params"]:
+                    if id(p) not in self.names:
+                        raise ValueError(
+                            f"Optimizer {k} ({type(optimizer).__name__}) param group {g} holds a tensor of shape "
+                            f"{tuple(p.shape)} that is not a parameter of the model. lightning_zero can only "
+                            f"shard the model's own parameters: pass self.parameters() (or a subset) to it.")
+                    if id(p) in seen:
+                        raise ValueError(
+                            f"Parameter '{self.names[id(p)]}' appears in two optimizer param groups "
+                            f"({seen[id(p)]} and optimizer {k} group {g}); each parameter can belong to one only.")
+                    seen[id(p)] = f"optimizer {k} group {g}"
+                    params.append(p)
+                groups.append(((k, g), sorted(params, key=lambda q: self._position[id(q)])))
+        return groups
+
+    def _build_units(self, groups: list[tuple[tuple[int, int], list[nn.Parameter]]]) -> None:
+        plans = []
+        for key, params in groups:
+            backward_order = params[::-1]
+            buckets = plan_buckets([p.numel() for p in backward_order], self.config.reduce_bucket_size)
+            for bucket in buckets:
+                plans.append((key, sorted((backward_order[i] for i in bucket), key=lambda q: self._position[id(q)])))
+        # Launch order = the order backward finishes units: the later a unit's first parameter, the sooner.
+        plans.sort(key=lambda kp: -min((self._position[id(p)] for p in kp[1]), default=-1))
+        for index, (key, params) in enumerate(plans):
+            unit = FlatUnit(index=index, params=params, names=[self.names[id(p)] for p in params],
+                            layout=layout_unit([p.numel() for p in params], self.comm.world_size),
+                            rank=self.comm.rank, compute_dtype=self.compute_dtype,
+                            reduce_dtype=self.reduce_dtype, group_index=key)
+            staging = torch.zeros(unit.layout.padded_numel, dtype=torch.float32, device=self.device)
+            for slot, p in zip(unit.layout.slots, params):
+                staging[slot.offset:slot.end].copy_(p.detach().reshape(-1))
+            self.comm.broadcast(staging, src=0)  # every rank starts from rank 0's values, as DDP does
+            unit.shapes = [p.shape for p in params]
+            unit.build_from_flat(staging, keep_full=not self.config.shard_params)
+            self.units.append(unit)
+
+    @torch.no_grad()
+    def _prepare_unmanaged(self) -> None:
+        """Parameters no optimizer owns (frozen ones) and buffers: rank 0's values, on the device."""
+        managed = {id(p) for u in self.units for p in u.params}
+        for _, p in self.module.named_parameters():
+            if id(p) not in managed:
+                data = p.detach().to(self.device)
+                if data.is_floating_point():
+                    data = data.to(self.compute_dtype)
+                p.data = self.comm.broadcast(data.contiguous(), src=0)
+        for _, b in self.module.named_buffers():
+            b.data = self.comm.broadcast(b.detach().to(self.device).contiguous(), src=0)
+
+    # ---- the step ---------------------------------------------------------------------
+    def units_for(self, optimizer: torch.optim.Optimizer) -> list[FlatUnit]:
+        return self.units_of[id(_unwrap(optimizer))]
+
+    def grads(self, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+        return [u.master.grad for u in self.units_for(optimizer) if u.master.grad is not None]
+
+    def finish_grads(self) -> None:
+        """Wait for every reduce-scatter still in flight."""
+        self.reducer.wait_all()
+
+    @torch.no_grad()
+    def unscale_and_check_(self, optimizer: torch.optim.Optimizer, inv_scale: float, check: bool) -> bool:
+        """Multiply the gradient shards by ``inv_scale``; True if any rank saw inf/nan (one all-reduce)."""
+        grads = self.grads(optimizer)
+        found = torch.zeros(1, dtype=torch.float32, device=self.device)
+        if grads and (check or inv_scale != 1.0):
+            inv = torch.full((1,), inv_scale, dtype=torch.float32, device=self.device)
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv)
+        if check:
+            self.comm.all_reduce(found, op="max")
+        return bool(found.item() > 0)
+
+    @torch.no_grad()
+    def grad_norm(self, optimizer: torch.optim.Optimizer, norm_type: float = 2.0) -> torch.Tensor:
+        """Global gradient norm over every rank's shard (padding is zero and adds nothing)."""
+        grads = self.grads(optimizer)
+        if norm_type == math.inf:
+            local = torch.stack([g.abs().max() for g in grads]).max() if grads else torch.zeros((), device=self.device)
+            return self.comm.all_reduce(local.float().reshape(1), op="max")[0]
+        if grads:
+            local = torch.stack(torch._foreach_norm(grads, norm_type)).pow(norm_type).sum()
+        else:
+            local = torch.zeros((), device=self.device)
+        return self.comm.all_reduce(local.float().reshape(1), op="sum")[0].pow(1.0 / norm_type)
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, optimizer: torch.optim.Optimizer, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Like ``torch.nn.utils.clip_grad_norm_`` over the optimizer's parameters, across shards."""
+        total = self.grad_norm(optimizer, norm_type)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        grads = self.grads(optimizer)
+        if grads:
+            torch._foreach_mul_(grads, coef.to(grads[0].device))
+        return total
+
+    @torch.no_grad()
+    def clip_grad_value_(self, optimizer: torch.optim.Optimizer, clip_value: float) -> None:
+        for g in self.grads(optimizer):
+            g.clamp_(-clip_value, clip_value)
+
+    @torch.no_grad()
+    def after_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Publish the stepped fp32 shards: copy into the compute-dtype shard; all-gather (stage 1/2)."""
+        units = self.units_for(optimizer)
+        handles = []
+        for unit in units:
+            unit.sync_shard_from_master()
+            if unit.state is UnitState.UNSHARDED and unit.full is not None:
+                handles.append(self.comm.all_gather(unit.full, unit.shard, async_op=True))
+        for handle in handles:
+            handle.wait()
+
+    def nonfinite_parameters(self, optimizer: torch.optim.Optimizer) -> list[str]:
+        """Names of parameters whose gradient shard holds inf/nan on any rank (diagnostics)."""
+        bad = set()
+        for unit in self.units_for(optimizer):
+            grad = unit.master.grad
+            if grad is None:
+                continue
+            for piece in unit.layout.pieces(unit.rank):
+                if not torch.isfinite(grad[piece.shard_start:piece.shard_start + piece.length]).all():
+                    bad.add(unit.names[piece.index])
+        return sorted(set().union(*self.comm.all_gather_object(sorted(bad))))
+
+    # ---- teardown ---------------------------------------------------------------------
+    @torch.no_grad()
+    def unflatten(self, device: Optional[torch.device] = None) -> None:
+        """Give the module back as plain fp32 parameters holding the trained (master) values."""
+        self.finish_grads()
+        self.reducer.remove_hooks()
+        for unit, full in self.gather_masters():
+            for param, view in zip(unit.params, unit.views(full)):
+                param.data = view.clone().to(device or self.device)
+                param.grad = None
+
+    def gather_masters(self) -> Iterable[tuple[FlatUnit, torch.Tensor]]:
+        """Yield each unit with its full fp32 values (one unit's full buffer alive at a time)."""
+        for unit in self.units:
+            if not unit.params:
+                continue
+            full = torch.empty(unit.layout.padded_numel, dtype=torch.float32, device=self.device)
+            self.comm.all_gather(full, unit.master.detach(), async_op=False)
+            yield unit, full
+
+
+def _unwrap(optimizer: Union[torch.optim.Optimizer, object]) -> torch.optim.Optimizer:
+    return getattr(optimizer, "_optimizer", optimizer)

@@ -1,0 +1,120 @@
+"""Training loops shared by the engine parity tests: one ZeRO run and one DDP reference run.
+
+Both see the same data per rank, the same initial weights and the same optimizer; the test
+compares their loss trajectories and final parameters.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_zero.collectives import Comm
+from lightning_zero.config import ZeroConfig
+from lightning_zero.engine import ZeroEngine
+
+
+class TiedNet(nn.Module):
+    """Embedding tied to the output head, a frozen layer, a layer used twice, a LayerNorm."""
+
+    def __init__(self, vocab: int = 37, dim: int = 24, frozen: bool = True) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.fc1 = nn.Linear(dim, 3 * dim)
+        self.fc2 = nn.Linear(3 * dim, dim)
+        self.shared = nn.Linear(dim, dim)
+        self.frozen = nn.Linear(dim, dim)
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.emb.weight
+        if frozen:
+            self.frozen.requires_grad_(False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.emb(idx)
+        x = x + self.fc2(torch.relu(self.fc1(x)))
+        x = self.shared(torch.tanh(self.shared(x)))  # a module called twice
+        x = self.frozen(x)
+        return self.head(self.norm(x))
+
+
+def make_batches(rank: int, steps: int, micro: int, vocab: int = 37) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + rank)
+    return [torch.randint(0, vocab, (4, 9), generator=g) for _ in range(steps * micro)]
+
+
+def loss_of(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    logits = model(batch[:, :-1])
+    return nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+
+
+def make_optimizer(model: nn.Module, kind: str) -> torch.optim.Optimizer:
+    decay = [p for n, p in model.named_parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.requires_grad and p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0, "lr": 2e-3}]
+    if kind == "sgd":
+        return torch.optim.SGD(groups, lr=0.05, momentum=0.9)
+    return torch.optim.AdamW(groups, lr=1e-2, betas=(0.9, 0.95))
+
+
+def run_case(rank: int, world: int, mode: str, stage: int, steps: int = 4, micro: int = 1,
+             clip: str = "", opt: str = "adamw", bucket: int = 500, overlap: bool = True) -> dict:
+    """Train ``steps`` optimizer steps; ``mode`` is "ddp" or "zero". Returns losses and final weights."""
+    torch.manual_seed(0)
+    model = TiedNet()
+    if rank == 1:  # a rank with different initial weights: both DDP and ZeRO must broadcast rank 0's
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)
+    optimizer = make_optimizer(model, opt)
+    if mode == "ddp":
+        net = nn.parallel.DistributedDataParallel(model)
+        engine = None
+    else:
+        net = model
+        engine = ZeroEngine(model, [optimizer], ZeroConfig(stage=stage, reduce_bucket_size=bucket,
+                                                           overlap_comm=overlap), Comm.from_group(), "cpu")
+    batches = make_batches(rank, steps, micro)
+    losses = []
+    for step in range(steps):
+        optimizer.zero_grad(set_to_none=True)
+        for m in range(micro):
+            batch = batches[step * micro + m]
+            last = m == micro - 1
+            if engine is not None:
+                engine.reducer.sync = last
+                loss = loss_of(net, batch) / micro
+                loss.backward()
+            else:
+                ctx = net.no_sync() if not last else _null()
+                with ctx:
+                    loss = loss_of(net, batch) / micro
+                    loss.backward()
+            losses.append(float(loss.detach()))
+        if clip == "norm":
+            if engine is not None:
+                engine.clip_grad_norm_(optimizer, 0.5)
+            else:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        elif clip == "value":
+            if engine is not None:
+                engine.clip_grad_value_(optimizer, 0.01)
+            else:
+                torch.nn.utils.clip_grad_value_(model.parameters(), 0.01)
+        optimizer.step()
+        if engine is not None:
+            engine.after_step(optimizer)
+    if engine is not None:
+        engine.unflatten()
+    dist.barrier()
+    state = {k: v.detach().clone().float() for k, v in model.state_dict().items()}
+    return {"losses": losses, "state": state}
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
