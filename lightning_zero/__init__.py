@@ -1,5 +1,27 @@
-"""lightning_zero: DeepSpeed-style ZeRO for PyTorch Lightning, in pure PyTorch."""
+"""lightning_zero: DeepSpeed-style ZeRO for PyTorch Lightning, in pure PyTorch.
+
+``import lightning_zero`` registers the strategy names ``zero1``, ``zero2`` and ``zero3``
+with Lightning, so ``Trainer(strategy="zero3")`` works after it.
+"""
+
+from lightning.pytorch.strategies import StrategyRegistry
 
 from .config import ZeroConfig, ZeroConfigError
+from .engine import UnsupportedOptimizerError, ZeroEngine
+from .precision import DynamicLossScaler, LossScaleAtMinimumError
+from .precision.plugin import ZeroPrecision
+from .strategy import ZeroStrategy
 
-__all__ = ["ZeroConfig", "ZeroConfigError"]
+__all__ = ["ZeroConfig", "ZeroConfigError", "ZeroEngine", "ZeroPrecision", "ZeroStrategy", "DynamicLossScaler",
+           "LossScaleAtMinimumError", "UnsupportedOptimizerError"]
+__version__ = "0.1.0"
+
+
+def _register() -> None:
+    # Lightning only discovers register_strategies in its own package; a re-import must not fail.
+    for name in ("zero1", "zero2", "zero3"):
+        StrategyRegistry.pop(name, None)
+    ZeroStrategy.register_strategies(StrategyRegistry)
+
+
+_register()

@@ -18,11 +18,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world: int, port: int, fn, args, queue) -> None:
+def _entry(rank: int, world: int, port: int, fn, args, queue, lightning: bool) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if lightning:  # torchrun-style variables: Lightning joins these processes instead of launching its own
+        os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world), NODE_RANK="0",
+                          LOCAL_WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world)
+        if not lightning:
+            dist.init_process_group("gloo", rank=rank, world_size=world)
         buf = io.BytesIO()
         torch.save(fn(rank, world, *args), buf)  # bytes: tensors must not share memory with a dead process
         queue.put((rank, "ok", buf.getvalue()))
@@ -33,12 +37,16 @@ def _entry(rank: int, world: int, port: int, fn, args, queue) -> None:
             dist.destroy_process_group()
 
 
-def run_ranks(fn, world: int, *args, timeout: float = 120.0) -> list:
-    """``fn(rank, world, *args)`` on ``world`` processes; returns the per-rank results in rank order."""
+def run_ranks(fn, world: int, *args, timeout: float = 300.0, lightning: bool = False) -> list:
+    """``fn(rank, world, *args)`` on ``world`` processes; returns the per-rank results in rank order.
+
+    With ``lightning=True`` no process group is started here: the function builds a Trainer
+    (``devices=world``), which finds the torchrun-style environment and joins it.
+    """
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world, port, fn, args, queue)) for r in range(world)]
+    procs = [ctx.Process(target=_entry, args=(r, world, port, fn, args, queue, lightning)) for r in range(world)]
     for p in procs:
         p.start()
     results: dict[int, object] = {}

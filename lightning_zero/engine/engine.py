@@ -62,7 +62,7 @@ class ZeroEngine:
         self.units_of: dict[int, list[FlatUnit]] = {}  # id(optimizer) -> its units
         groups = self._param_groups()
         self._build_units(groups)
-        self._prepare_unmanaged()
+        self._prepare_buffers()
         for k, optimizer in enumerate(self.optimizers):
             masters = [[u.master for u in self.units if u.group_index == (k, g)]
                        for g in range(len(optimizer.param_groups))]
@@ -91,6 +91,11 @@ class ZeroEngine:
                     seen[id(p)] = f"optimizer {k} group {g}"
                     params.append(p)
                 groups.append(((k, g), sorted(params, key=lambda q: self._position[id(q)])))
+        # Parameters no optimizer steps (frozen ones, or all of them when evaluating) are still
+        # flattened: they get the compute dtype, stage 3 shards them, and teardown restores fp32 exactly.
+        rest = [p for _, p in self.module.named_parameters() if id(p) not in seen and p.is_floating_point()]
+        if rest:
+            groups.append(((-1, 0), rest))
         return groups
 
     def _build_units(self, groups: list[tuple[tuple[int, int], list[nn.Parameter]]]) -> None:
@@ -116,15 +121,8 @@ class ZeroEngine:
             self.units.append(unit)
 
     @torch.no_grad()
-    def _prepare_unmanaged(self) -> None:
-        """Parameters no optimizer owns (frozen ones) and buffers: rank 0's values, on the device."""
-        managed = {id(p) for u in self.units for p in u.params}
-        for _, p in self.module.named_parameters():
-            if id(p) not in managed:
-                data = p.detach().to(self.device)
-                if data.is_floating_point():
-                    data = data.to(self.compute_dtype)
-                p.data = self.comm.broadcast(data.contiguous(), src=0)
+    def _prepare_buffers(self) -> None:
+        """Buffers keep their dtype (BatchNorm statistics stay fp32) and take rank 0's values."""
         for _, b in self.module.named_buffers():
             b.data = self.comm.broadcast(b.detach().to(self.device).contiguous(), src=0)
 
@@ -133,6 +131,8 @@ class ZeroEngine:
         return self.units_of[id(_unwrap(optimizer))]
 
     def grads(self, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+        """The fp32 gradient shards of ``optimizer`` (waits for reductions still in flight)."""
+        self.finish_grads()
         return [u.master.grad for u in self.units_for(optimizer) if u.master.grad is not None]
 
     def finish_grads(self) -> None:

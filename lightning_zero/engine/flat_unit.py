@@ -71,7 +71,15 @@ class FlatUnit:
     launched: bool = False
 
     @property
+    def accepts_grads(self) -> bool:
+        # LightningModule.toggle_optimizer flips requires_grad on the optimizer's tensors, which
+        # are the masters: a master switched off means "drop this unit's gradients".
+        return self.master is None or self.master.requires_grad
+
+    @property
     def trainable(self) -> list[int]:
+        if not self.accepts_grads:
+            return []
         return [i for i, p in enumerate(self.params) if p.requires_grad]
 
     @property

@@ -59,7 +59,8 @@ class GradientReducer:
         for unit in units:
             for slot_index, param in enumerate(unit.params):
                 self._slot_of[id(param)] = (unit, slot_index)
-                self._hooks.append(param.register_post_accumulate_grad_hook(self._on_grad))
+                if param.requires_grad:  # frozen now; if unfrozen later, finish_backward sweeps its grad in
+                    self._hooks.append(param.register_post_accumulate_grad_hook(self._on_grad))
 
     def remove_hooks(self) -> None:
         for handle in self._hooks:
@@ -84,6 +85,9 @@ class GradientReducer:
         if not self._in_backward:
             self._begin_backward()
         unit, slot_index = self._slot_of[id(param)]
+        if not unit.accepts_grads:
+            param.grad = None
+            return
         unit.add_grad(slot_index, param.grad)
         param.grad = None
         unit.pending -= 1
@@ -138,12 +142,20 @@ class GradientReducer:
         if not self._in_backward:
             self._begin_backward_without_hooks()
         self.finished_count += 1
+        self._sweep_unhooked_grads()
         if self.reduces_now:
             for unit in self.units[self._next:]:
                 self._launch(unit)
             self._next = len(self.units)
         self.wait_all()
         self._in_backward = False
+
+    def _sweep_unhooked_grads(self) -> None:
+        for unit in self.units[self._next:]:
+            for slot_index, param in enumerate(unit.params):
+                if param.grad is not None and unit.accepts_grads:
+                    unit.add_grad(slot_index, param.grad)
+                    param.grad = None
 
     def _begin_backward_without_hooks(self) -> None:
         self._next = 0

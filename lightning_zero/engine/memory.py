@@ -1,0 +1,125 @@
+"""The memory report: per-rank bytes of model state, measured and as the formulas predict.
+
+Measured bytes are read off the tensors the engine and the optimizer hold. Two formulas
+stand beside them: the ZeRO paper's (mixed-precision Adam: 16-bit parameters and
+gradients, fp32 master and two moments) and lightning_zero's own, which counts what this
+implementation allocates (its gradient shard is fp32, so accumulation is exact).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .engine import ZeroEngine
+from .flat_unit import UnitState
+
+__all__ = ["MemoryReport", "memory_report"]
+
+GiB = float(2**30)
+
+
+@dataclass
+class MemoryReport:
+    """Per-rank bytes by category, with the formulas for the same run."""
+
+    rank: int
+    world_size: int
+    stage: int
+    num_params: int  # Ψ: parameters of the model (tied ones once), sharded or not
+    measured: dict[str, int] = field(default_factory=dict)
+    formula_paper: int = 0
+    formula_ours: int = 0
+    peak_gathered: int = 0  # stage 3: the largest set of gathered groups alive at once
+
+    @property
+    def model_state(self) -> int:
+        return sum(v for k, v in self.measured.items() if k != "comm_buffers")
+
+    def as_dict(self) -> dict:
+        return {"rank": self.rank, "world_size": self.world_size, "stage": self.stage, "num_params": self.num_params,
+                **{f"{k}_bytes": v for k, v in self.measured.items()}, "model_state_bytes": self.model_state,
+                "formula_paper_bytes": self.formula_paper, "formula_ours_bytes": self.formula_ours,
+                "peak_gathered_bytes": self.peak_gathered}
+
+    def format(self) -> str:
+        n, w = self.num_params, self.world_size
+        lines = [f"lightning_zero memory report — rank {self.rank}/{w}, stage {self.stage}, Ψ = {n:,} parameters"]
+        for key, value in self.measured.items():
+            lines.append(f"  {key:<16} {_fmt(value):>12}")
+        lines.append(f"  {'model state':<16} {_fmt(self.model_state):>12}   (parameters + gradients + master + "
+                     f"optimizer state)")
+        lines.append(f"  {'formula (ours)':<16} {_fmt(self.formula_ours):>12}   ({_ratio(self.model_state, self.formula_ours)} "
+                     f"of it measured)")
+        lines.append(f"  {'formula (paper)':<16} {_fmt(self.formula_paper):>12}   (ZeRO paper, mixed-precision Adam: "
+                     f"{_paper_text(self.stage)})")
+        if self.stage >= 3:
+            lines.append(f"  {'peak gathered':<16} {_fmt(self.peak_gathered):>12}   (stage-3 working set, not model state)")
+        return "\n".join(lines)
+
+
+def _fmt(nbytes: int) -> str:
+    return f"{nbytes / GiB:.3f} GiB" if nbytes >= 2**28 else f"{nbytes / 2**20:.2f} MiB"
+
+
+def _ratio(a: int, b: int) -> str:
+    return f"{a / b:.1%}" if b else "n/a"
+
+
+def _paper_text(stage: int) -> str:
+    return {1: "4Ψ + 12Ψ/N", 2: "2Ψ + 14Ψ/N", 3: "16Ψ/N"}[stage]
+
+
+def _size(t) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
+
+
+def memory_report(engine: ZeroEngine) -> MemoryReport:
+    """Measure ``engine`` now (call after at least one step for the optimizer state to exist)."""
+    n, w, stage = 0, engine.comm.world_size, engine.config.stage
+    measured = {"parameters": 0, "gradients": 0, "fp32_master": 0, "optimizer_state": 0, "comm_buffers": 0}
+    managed = set()
+    for unit in engine.units:
+        n += unit.layout.numel
+        managed.update(id(p) for p in unit.params)
+        full_alive = unit.full is not None and unit.state is UnitState.UNSHARDED
+        measured["parameters"] += _size(unit.full) if full_alive and not engine.config.shard_params else _size(unit.shard)
+        if unit.master is not None and unit.master.data_ptr() != unit.shard.data_ptr():
+            measured["fp32_master"] += _size(unit.master)
+        measured["gradients"] += _size(unit.master.grad if unit.master is not None else None)
+        if unit.grad_full is not None:
+            key = "gradients" if not engine.config.shard_grads else "comm_buffers"
+            measured[key] += _size(unit.grad_full)
+    for p in engine.module.parameters():
+        if id(p) not in managed:
+            n += p.numel()
+            measured["parameters"] += _size(p)
+    state_bytes_per_elem = 0.0
+    for optimizer in engine.optimizers:
+        for unit in engine.units_for(optimizer):
+            for value in optimizer.state.get(unit.master, {}).values():
+                if isinstance(value, torch.Tensor):
+                    measured["optimizer_state"] += _size(value)
+    shard_elems = sum(u.layout.shard_numel for u in engine.units) or 1
+    state_bytes_per_elem = measured["optimizer_state"] / shard_elems
+    return MemoryReport(rank=engine.comm.rank, world_size=w, stage=stage, num_params=n, measured=measured,
+                        formula_paper=int(_paper(stage, n, w)),
+                        formula_ours=int(_ours(engine, n, w, state_bytes_per_elem)),
+                        peak_gathered=getattr(engine, "peak_gathered_bytes", 0))
+
+
+def _paper(stage: int, n: int, w: int) -> float:
+    return {1: 4 * n + 12 * n / w, 2: 2 * n + 14 * n / w, 3: 16 * n / w}[stage]
+
+
+def _ours(engine: ZeroEngine, n: int, w: int, k: float) -> float:
+    p = torch.tensor([], dtype=engine.compute_dtype).element_size()
+    r = torch.tensor([], dtype=engine.reduce_dtype).element_size()
+    master = 4 if p != 4 else 0
+    per_rank = (master + 4 + k) * n / w  # fp32 master (if separate), fp32 gradient shard, optimizer state
+    if engine.config.shard_params:
+        return per_rank + p * n / w
+    if engine.config.shard_grads:
+        return per_rank + p * n
+    return per_rank + (p + r) * n

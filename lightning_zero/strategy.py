@@ -1,0 +1,263 @@
+"""ZeroStrategy: the thin Lightning adapter around :class:`lightning_zero.engine.ZeroEngine`.
+
+Lightning owns the loop; this class only answers its lifecycle hooks: start the process
+group, build the engine once the optimizers exist, skip gradient reduction inside
+``block_backward_sync`` (stage 1), route the step through :class:`ZeroPrecision`, and
+save/restore full, world-size independent state.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Generator, Mapping
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.distributed import group as _group
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor
+
+from .collectives import Comm
+from .config import ZeroConfig, _reject_unknown
+from .engine import ZeroEngine
+from .engine.memory import MemoryReport, memory_report
+from .engine.state import full_model_state, full_optimizer_state, load_model_state, load_optimizer_state
+from .precision.plugin import ZeroPrecision
+
+__all__ = ["ZeroStrategy"]
+
+log = logging.getLogger(__name__)
+
+
+class ZeroStrategy(ParallelStrategy):
+    """ZeRO stages 1-3 for any LightningModule.
+
+    Args:
+        config: the ZeRO settings; fields may also be given as keyword arguments
+            (``ZeroStrategy(stage=3, prefetch=2)``), which override the config's.
+        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin:
+            as for Lightning's DDPStrategy (the Trainer fills them in).
+        process_group_backend: "nccl" on GPUs and "gloo" on CPU by default.
+        **options: ZeroConfig fields.
+    """
+
+    strategy_name = "zero"
+
+    def __init__(self, config: Optional[ZeroConfig] = None, accelerator: Any = None,
+                 parallel_devices: Optional[list[torch.device]] = None,
+                 cluster_environment: Optional[ClusterEnvironment] = None,
+                 checkpoint_io: Optional[CheckpointIO] = None, precision_plugin: Optional[Precision] = None,
+                 process_group_backend: Optional[str] = None, **options: Any) -> None:
+        _reject_unknown(options)
+        self.config = (config or ZeroConfig()).replace(**options) if options else (config or ZeroConfig())
+        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
+                         cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
+                         precision_plugin=precision_plugin)
+        self._num_nodes = 1
+        self._process_group_backend = process_group_backend
+        self.engine: Optional[ZeroEngine] = None
+        self.comm = Comm()
+        self._backward_mark = 0
+
+    # ---- what Lightning asks of a parallel strategy ---------------------------------------
+    @property
+    def is_distributed(self) -> bool:
+        return True  # without it Lightning drops DistributedSampler and sync_dist for unknown strategies
+
+    @property
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # the engine (and its optimizer shards) must exist before state is loaded
+
+    @property
+    def precision_plugin(self) -> ZeroPrecision:
+        plugin = self._precision_plugin
+        return plugin if plugin is not None else ZeroPrecision("32-true", self.config)
+
+    @precision_plugin.setter
+    def precision_plugin(self, plugin: Optional[Precision]) -> None:
+        self._precision_plugin = None if plugin is None else _to_zero_precision(plugin, self.config)
+
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        reset_seed()
+        self.set_world_ranks()
+        backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
+        self._process_group_backend = backend
+        kwargs: dict[str, Any] = {"timeout": timedelta(seconds=self.config.collective_timeout_s)}
+        if self.root_device.type != "cpu":
+            kwargs["device_id"] = self.root_device
+        _init_dist_connection(self.cluster_environment, backend, **kwargs)
+        self.comm = Comm.from_group(None)
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+
+    # ---- setup ---------------------------------------------------------------------------------
+    def setup(self, trainer: Any) -> None:
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if self.engine is None or (fitting and not self.engine.optimizers):
+            self._release_engine()
+            self.model_to_device()
+            if fitting:
+                self.setup_optimizers(trainer)
+            optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers] if fitting else []
+            self.engine = ZeroEngine(self.lightning_module, optimizers, self.config, self.comm, self.root_device,
+                                     self.precision_plugin.compute_dtype)
+            self.precision_plugin.attach(self.engine, self.root_device.type)
+        self.setup_precision_plugin()
+
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    # ---- the training step ---------------------------------------------------------------------
+    @contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Non-final micro-batches: stage 1 accumulates full gradients locally (stage 2+ must reduce)."""
+        if self.engine is None:
+            yield
+            return
+        self.engine.reducer.sync = False
+        try:
+            yield
+        finally:
+            self.engine.reducer.sync = True
+
+    def pre_backward(self, closure_loss: Tensor) -> None:
+        if self.engine is not None:
+            self._backward_mark = self.engine.reducer.finished_count
+
+    def post_backward(self, closure_loss: Tensor) -> None:
+        # A backward that reached none of the units on this rank still reduces, like the others.
+        if self.engine is not None and self.engine.reducer.finished_count == self._backward_mark:
+            self.engine.reducer.finish_backward()
+
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        model = model if model is not None else self.lightning_module
+        return self.precision_plugin.zero_optimizer_step(optimizer, model=model, closure=closure, **kwargs)
+
+    # ---- collectives Lightning uses (metrics, logging, barriers) -------------------------------
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        if not _distributed_is_initialized():
+            return
+        if torch.distributed.get_backend() == "nccl":
+            torch.distributed.barrier(device_ids=[self.root_device.index])
+        else:
+            torch.distributed.barrier()
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not _distributed_is_initialized():
+            return obj
+        box = [obj]
+        torch.distributed.broadcast_object_list(box, src, group=_group.WORLD)
+        return box[0]
+
+    def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Any:
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    # ---- state -------------------------------------------------------------------------------------
+    def memory_report(self) -> MemoryReport:
+        """Per-rank model-state bytes (measured) beside the ZeRO formulas."""
+        if self.engine is None:
+            raise RuntimeError("memory_report() needs a set-up strategy: call it during or after trainer.fit().")
+        return memory_report(self.engine)
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """Full state dict (fp32 master values, same keys as ``module.state_dict()``), on every rank."""
+        if self.engine is None or not self.engine.units:
+            return super().lightning_module_state_dict()
+        return full_model_state(self.engine)
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        if self.engine is None or not self.engine.units:
+            return super().load_model_state_dict(checkpoint, strict)
+        load_model_state(self.engine, checkpoint["state_dict"], strict=strict)
+
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        assert self.engine is not None
+        return full_optimizer_state(self.engine, optimizer)
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        assert self.engine is not None
+        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
+            load_optimizer_state(self.engine, optimizer, state)
+
+    # ---- teardown ---------------------------------------------------------------------------------
+    def teardown(self) -> None:
+        self._release_engine()
+        super().teardown()
+
+    def _release_engine(self) -> None:
+        """Hand the module back as plain parameters holding the trained values."""
+        if self.engine is not None:
+            self.engine.unflatten()
+            self.engine = None
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        for stage, what in ((1, "optimizer state"), (2, "optimizer state and gradients"),
+                            (3, "optimizer state, gradients and parameters")):
+            strategy_registry.register(f"zero{stage}", cls, description=f"ZeRO stage {stage}: shards {what}",
+                                       config=ZeroConfig(stage=stage))
+
+
+def _to_zero_precision(plugin: Precision, config: ZeroConfig) -> ZeroPrecision:
+    """Turn Lightning's generic plugin (built from ``precision=``) into ours."""
+    if isinstance(plugin, ZeroPrecision):
+        if not plugin._config_explicit:
+            plugin.configure(config, explicit=False)
+        return plugin
+    name = str(getattr(plugin, "precision", "32-true"))
+    if type(plugin).__name__ not in ("Precision", "MixedPrecision", "HalfPrecision"):
+        raise TypeError(f"ZeroStrategy cannot run with the precision plugin {type(plugin).__name__} "
+                        f"(precision={name!r}); use precision='32-true', 'bf16-mixed', '16-mixed', 'bf16-true' or "
+                        f"'16-true', or pass lightning_zero.ZeroPrecision(...) in plugins=[...].")
+    return ZeroPrecision(name, config) if name.startswith("16") else ZeroPrecision(name)

@@ -1,0 +1,162 @@
+"""User-style LightningModules trained under a strategy; each rank returns what it saw.
+
+Run through ``dist_utils.run_ranks(..., lightning=True)``: every case builds its own Trainer
+with ``devices=world``, so one spawn can run DDP and ZeRO back to back on the same data.
+"""
+
+from __future__ import annotations
+
+import math
+
+import lightning.pytorch as pl
+import torch
+import torchmetrics
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import lightning_zero
+from lightning_zero import ZeroConfig, ZeroPrecision, ZeroStrategy
+
+
+def lm_data(n: int = 64, seq: int = 9, vocab: int = 37) -> DataLoader:
+    g = torch.Generator().manual_seed(7)
+    return DataLoader(TensorDataset(torch.randint(0, vocab, (n, seq), generator=g)), batch_size=4)
+
+
+class TinyLM(pl.LightningModule):
+    """Tied embedding/head, two param groups, a frozen layer, a module used twice, a metric."""
+
+    def __init__(self, vocab: int = 37, dim: int = 24, lr: float = 1e-2) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.fc1 = nn.Linear(dim, 2 * dim)
+        self.fc2 = nn.Linear(2 * dim, dim)
+        self.shared = nn.Linear(dim, dim)
+        self.frozen = nn.Linear(dim, dim)
+        self.frozen.requires_grad_(False)
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.emb.weight
+        self.lr = lr
+        self.val_acc = torchmetrics.classification.MulticlassAccuracy(num_classes=vocab)
+        self.losses: list[float] = []
+        self.inject_inf_at: set[int] = set()  # (global step) on rank 1 only: fp16 overflow tests
+        self.param_trace: list[torch.Tensor] = []
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.emb(idx)
+        x = x + self.fc2(torch.relu(self.fc1(x)))
+        x = self.shared(torch.tanh(self.shared(x)))
+        return self.head(self.norm(self.frozen(x)))
+
+    def _loss(self, batch) -> torch.Tensor:
+        (idx,) = batch
+        logits = self(idx[:, :-1])
+        return nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), idx[:, 1:].reshape(-1))
+
+    def training_step(self, batch, batch_idx):
+        loss = self._loss(batch)
+        if self.global_step in self.inject_inf_at and self.global_rank == 1:
+            loss = loss * math.inf
+        self.losses.append(float(loss.detach()))
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        self.param_trace.append(self.fc1.weight.detach().float().flatten()[:4].clone())
+
+    def validation_step(self, batch, batch_idx):
+        (idx,) = batch
+        logits = self(idx[:, :-1])
+        self.val_acc(logits.float().reshape(-1, logits.shape[-1]), idx[:, 1:].reshape(-1))
+        self.log("val_acc", self.val_acc)
+        self.log("val_loss", self._loss(batch), sync_dist=True)
+
+    def predict_step(self, batch, batch_idx):
+        return self(batch[0][:, :-1]).float().argmax(-1)
+
+    def configure_optimizers(self):
+        decay = [p for p in self.parameters() if p.requires_grad and p.dim() >= 2]
+        rest = [p for p in self.parameters() if p.requires_grad and p.dim() < 2]
+        opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
+                                lr=self.lr, betas=(0.9, 0.95))
+        return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)}
+
+
+class TinyGAN(pl.LightningModule):
+    """Manual optimization with two optimizers (generator and discriminator)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.gen = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 8))
+        self.disc = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+        self.losses: list[float] = []
+
+    def training_step(self, batch, batch_idx):
+        (real,) = batch
+        opt_g, opt_d = self.optimizers()
+        z = torch.randn(real.shape[0], 4, generator=torch.Generator().manual_seed(batch_idx + 100 * self.global_rank))
+        bce = nn.functional.binary_cross_entropy_with_logits
+        self.toggle_optimizer(opt_d)
+        fake = self.gen(z).detach()
+        d_loss = bce(self.disc(real), torch.ones(real.shape[0], 1)) + bce(self.disc(fake), torch.zeros(real.shape[0], 1))
+        self.manual_backward(d_loss)
+        self.clip_gradients(opt_d, gradient_clip_val=0.5, gradient_clip_algorithm="norm")
+        opt_d.step()
+        opt_d.zero_grad()
+        self.untoggle_optimizer(opt_d)
+        self.toggle_optimizer(opt_g)
+        g_loss = bce(self.disc(self.gen(z)), torch.ones(real.shape[0], 1))
+        self.manual_backward(g_loss)
+        opt_g.step()
+        opt_g.zero_grad()
+        self.untoggle_optimizer(opt_g)
+        self.losses += [float(d_loss.detach()), float(g_loss.detach())]
+
+    def configure_optimizers(self):
+        return [torch.optim.Adam(self.gen.parameters(), lr=1e-2), torch.optim.SGD(self.disc.parameters(), lr=0.05,
+                                                                                   momentum=0.9)]
+
+
+def gan_data() -> DataLoader:
+    g = torch.Generator().manual_seed(3)
+    return DataLoader(TensorDataset(torch.randn(48, 8, generator=g) + 2.0), batch_size=4)
+
+
+def make_strategy(name: str, **options):
+    if name.startswith("ddp"):
+        return name
+    stage = int(name[-1])
+    return ZeroStrategy(config=ZeroConfig(stage=stage, reduce_bucket_size=options.pop("bucket", 300), **options))
+
+
+def fit_case(rank: int, world: int, module_name: str, strategy: str, precision: str = "32-true",
+             accumulate: int = 1, clip_val: float = 0.0, clip_algo: str = "norm", epochs: int = 1,
+             options: dict | None = None, plugin: str = "", inject: tuple = ()) -> dict:
+    """Fit one module under one strategy; returns losses, final full state dict and extras."""
+    assert lightning_zero  # registers the names
+    pl.seed_everything(0, verbose=False)
+    module = TinyLM() if module_name == "lm" else TinyGAN()
+    if inject:
+        module.inject_inf_at = set(inject)
+    data = lm_data() if module_name == "lm" else gan_data()
+    plugins = [ZeroPrecision(plugin)] if plugin else None
+    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=make_strategy(strategy, **(options or {})),
+                         precision=None if plugin else precision, plugins=plugins, max_epochs=epochs,
+                         accumulate_grad_batches=accumulate, gradient_clip_val=clip_val or None,
+                         gradient_clip_algorithm=clip_algo if clip_val else None, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         num_sanity_val_steps=0, use_distributed_sampler=True)
+    trainer.fit(module, data, lm_data(16) if module_name == "lm" else None)
+    out = {"losses": module.losses, "global_step": trainer.global_step,
+           "state": {k: v.detach().float().cpu().clone() for k, v in module.state_dict().items()},
+           "dtype": str(next(module.parameters()).dtype)}
+    if module_name == "lm":
+        out["trace"] = torch.stack(module.param_trace)
+        out["val"] = {k: float(v) for k, v in trainer.validate(module, lm_data(16), verbose=False)[0].items()}
+        preds = trainer.predict(module, lm_data(8))
+        out["n_pred"] = sum(p.shape[0] for p in preds)
+    if plugin:
+        out["scale"] = trainer.precision_plugin.loss_scale
+    return out
