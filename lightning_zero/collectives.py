@@ -57,7 +57,7 @@ class Comm:
     bytes_moved: Counter = field(default_factory=Counter)  # op name -> bytes of full-size tensor
 
     @classmethod
-    def from_group(cls, group: Optional[Any] = None) -> "Comm":
+    def from_group(cls, group: Optional[Any] = None) -> Comm:
         if not (dist.is_available() and dist.is_initialized()):
             return cls()
         return cls(dist.get_rank(group), dist.get_world_size(group), group)

@@ -110,13 +110,13 @@ class ZeroConfig:
     def shard_params(self) -> bool:
         return self.stage >= 3
 
-    def replace(self, **changes: Any) -> "ZeroConfig":
+    def replace(self, **changes: Any) -> ZeroConfig:
         """A copy with ``changes`` applied (validated like a new config)."""
         _reject_unknown(changes)
         return dataclasses.replace(self, **changes)
 
     @classmethod
-    def from_dict(cls, values: dict[str, Any]) -> "ZeroConfig":
+    def from_dict(cls, values: dict[str, Any]) -> ZeroConfig:
         """Build from a plain mapping (a Hydra node, a YAML file); unknown keys are an error."""
         values = dict(values)
         values.pop("_target_", None)

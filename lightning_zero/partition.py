@@ -14,8 +14,8 @@ and aligned chunk starts keep each rank's shard aligned too.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 __all__ = ["ALIGN", "Slot", "Piece", "UnitLayout", "layout_unit", "plan_buckets"]
 

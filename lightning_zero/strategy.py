@@ -9,10 +9,10 @@ save/restore full, world-size independent state.
 from __future__ import annotations
 
 import logging
-from collections.abc import Generator, Mapping
+from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed

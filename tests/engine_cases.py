@@ -118,3 +118,8 @@ class _null:
 
     def __exit__(self, *exc):
         return False
+
+
+def run_cases(rank: int, world: int, cases: list[dict]) -> list[dict]:
+    """Several ``run_case`` calls in one process group (spawning is the slow part)."""
+    return [run_case(rank, world, **case) for case in cases]

@@ -14,7 +14,8 @@ keeps only the gradient shard, stage 3 also keeps only the parameter shard betwe
 from __future__ import annotations
 
 import math
-from typing import Iterable, Optional, Union
+from collections.abc import Iterable
+from typing import Optional, Union
 
 import torch
 from torch import nn

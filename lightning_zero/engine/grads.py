@@ -17,7 +17,8 @@ more first completes the oldest. Stage 2/3 free a buffer once its shard is accum
 from __future__ import annotations
 
 from collections import deque
-from typing import Callable, Optional
+from collections.abc import Callable
+from typing import Optional
 
 import torch
 

@@ -59,7 +59,7 @@ def load_model_state(engine: ZeroEngine, state: dict[str, torch.Tensor], strict:
     managed = set()
     for unit in engine.units:
         full = torch.zeros(unit.layout.padded_numel, dtype=torch.float32, device=engine.device)
-        for slot, param, view in zip(unit.layout.slots, unit.params, unit.views(full)):
+        for param, view in zip(unit.params, unit.views(full)):
             managed.add(id(param))
             key = next((k for k in keys[id(param)] if k in state), None)
             if key is not None:

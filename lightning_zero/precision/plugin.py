@@ -13,8 +13,8 @@ fp32 master weights in the optimizer; the loss and the overflow check are fp32.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Generator
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from collections.abc import Callable, Generator
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 from lightning.fabric.utilities.apply_func import apply_to_collection
@@ -76,7 +76,7 @@ class ZeroPrecision(Precision):
             scale_window=config.loss_scale_window, hysteresis=config.hysteresis,
             min_scale=config.min_loss_scale, dynamic=not static)
 
-    def attach(self, engine: "ZeroEngine", device_type: str) -> None:
+    def attach(self, engine: ZeroEngine, device_type: str) -> None:
         self._engine = engine
         self.device_type = device_type
 
@@ -134,7 +134,7 @@ class ZeroPrecision(Precision):
             self.scaler.update(False)
         return output if output is not None else closure_result
 
-    def _on_overflow(self, engine: "ZeroEngine", optimizer: Any) -> None:
+    def _on_overflow(self, engine: ZeroEngine, optimizer: Any) -> None:
         """Skip the step: parameters and optimizer state stay as they were; the scale adapts."""
         try:
             self.scaler.update(True)
@@ -160,7 +160,7 @@ class ZeroPrecision(Precision):
         # Clipping before the step has unscaled (manual optimization) works on scaled grads.
         return 1.0 if self.scaler is None or self._unscaled else self.scaler.scale
 
-    def _require_engine(self) -> "ZeroEngine":
+    def _require_engine(self) -> ZeroEngine:
         if self._engine is None:
             raise RuntimeError("ZeroPrecision is used without a ZeroStrategy: pass it to Trainer together with "
                                "strategy='zero1'/'zero2'/'zero3'.")
