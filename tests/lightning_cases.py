@@ -125,7 +125,7 @@ def gan_data() -> DataLoader:
 
 
 def make_strategy(name: str, **options):
-    if name.startswith("ddp"):
+    if name.startswith("ddp") or name == "auto":
         return name
     stage = int(name[-1])
     return ZeroStrategy(config=ZeroConfig(stage=stage, reduce_bucket_size=options.pop("bucket", 300), **options))
@@ -133,7 +133,7 @@ def make_strategy(name: str, **options):
 
 def fit_case(rank: int, world: int, module_name: str, strategy: str, precision: str = "32-true",
              accumulate: int = 1, clip_val: float = 0.0, clip_algo: str = "norm", epochs: int = 1,
-             options: dict | None = None, plugin: str = "", inject: tuple = ()) -> dict:
+             options: dict | None = None, plugin: str = "", inject: tuple = (), accelerator: str = "cpu") -> dict:
     """Fit one module under one strategy; returns losses, final full state dict and extras."""
     assert lightning_zero  # registers the names
     pl.seed_everything(0, verbose=False)
@@ -142,7 +142,7 @@ def fit_case(rank: int, world: int, module_name: str, strategy: str, precision: 
         module.inject_inf_at = set(inject)
     data = lm_data() if module_name == "lm" else gan_data()
     plugins = [ZeroPrecision(plugin)] if plugin else None
-    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=make_strategy(strategy, **(options or {})),
+    trainer = pl.Trainer(accelerator=accelerator, devices=world, strategy=make_strategy(strategy, **(options or {})),
                          precision=None if plugin else precision, plugins=plugins, max_epochs=epochs,
                          accumulate_grad_batches=accumulate, gradient_clip_val=clip_val or None,
                          gradient_clip_algorithm=clip_algo if clip_val else None, logger=False,

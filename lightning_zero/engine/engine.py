@@ -182,10 +182,15 @@ class ZeroEngine:
 
     @torch.no_grad()
     def after_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """Publish the stepped fp32 shards: copy into the compute-dtype shard; all-gather (stage 1/2)."""
+        """Publish the stepped fp32 shards: copy into the compute-dtype shard; all-gather (stage 1/2).
+
+        The step consumes the gradients (as in DeepSpeed): freeing the fp32 gradient shards here
+        keeps them out of the next forward's peak memory, where Lightning's zero_grad comes too late.
+        """
         units = self.units_for(optimizer)
         handles = []
         for unit in units:
+            unit.master.grad = None
             unit.sync_shard_from_master()
             if unit.state is UnitState.UNSHARDED and unit.full is not None:
                 handles.append(self.comm.all_gather(unit.full, unit.shard, async_op=True))

@@ -112,11 +112,13 @@ class GradientReducer:
                 unit.grad_full[slot.offset:slot.end].zero_()
         unit.grad_written.clear()
         full = unit.grad_full
-        if self.comm.world_size > 1:
+        if self.comm.world_size == 1:  # nothing to reduce: the buffer is the shard
+            out, handle = full, Handle()
+        else:
             full.div_(self.comm.world_size)  # pre-divide, as DDP does: keeps 16-bit sums in range
-        out = torch.empty(unit.layout.shard_numel, dtype=full.dtype, device=full.device)
-        handle = self.comm.reduce_scatter(out, full, async_op=True)
-        if self.shard_grads:
+            out = torch.empty(unit.layout.shard_numel, dtype=full.dtype, device=full.device)
+            handle = self.comm.reduce_scatter(out, full, async_op=True)
+        if self.shard_grads or out is full:
             unit.grad_full = None  # the handle keeps the buffer alive until the collective is done
         while len(self._inflight) >= self.max_inflight:
             self._complete(*self._inflight.popleft())
