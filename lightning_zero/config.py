@@ -55,7 +55,7 @@ class ZeroConfig:
     """
 
     stage: int = 2
-    reduce_bucket_size: int = 50_000_000
+    reduce_bucket_size: int = 6_250_000
     overlap_comm: bool = True
     reduce_dtype: Optional[str] = None
     allow_untested_optimizer: bool = False

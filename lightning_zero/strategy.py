@@ -36,6 +36,7 @@ from torch import Tensor
 from .collectives import Comm
 from .config import ZeroConfig, _reject_unknown
 from .engine import ZeroEngine
+from .engine.materialize import RngState, has_meta
 from .engine.memory import MemoryReport, memory_report
 from .engine.state import full_model_state, full_optimizer_state, load_model_state, load_optimizer_state
 from .precision.plugin import ZeroPrecision
@@ -73,6 +74,7 @@ class ZeroStrategy(ParallelStrategy):
         self._process_group_backend = process_group_backend
         self.engine: Optional[ZeroEngine] = None
         self.comm = Comm()
+        self._init_rng: Optional[RngState] = None
         self._backward_mark = 0
 
     # ---- what Lightning asks of a parallel strategy ---------------------------------------
@@ -148,13 +150,25 @@ class ZeroStrategy(ParallelStrategy):
                 self.setup_optimizers(trainer)
             optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers] if fitting else []
             self.engine = ZeroEngine(self.lightning_module, optimizers, self.config, self.comm, self.root_device,
-                                     self.precision_plugin.compute_dtype)
+                                     self.precision_plugin.compute_dtype, init_rng=self._init_rng)
             self.precision_plugin.attach(self.engine, self.root_device.type)
         self.setup_precision_plugin()
 
     def model_to_device(self) -> None:
         assert self.model is not None
-        self.model.to(self.root_device)
+        if not has_meta(self.model):  # a meta model is materialized (and sharded) by the engine
+            self.model.to(self.root_device)
+
+    @contextmanager
+    def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
+        """Stage 3 builds models on the meta device; the engine materializes them shard by shard."""
+        if not self.config.shard_params or empty_init is False:
+            with super().tensor_init_context(empty_init):
+                yield
+            return
+        self._init_rng = RngState()
+        with torch.device("meta"), self.precision_plugin.tensor_init_context():
+            yield
 
     # ---- the training step ---------------------------------------------------------------------
     @contextmanager
@@ -177,6 +191,31 @@ class ZeroStrategy(ParallelStrategy):
         # A backward that reached none of the units on this rank still reduces, like the others.
         if self.engine is not None and self.engine.reducer.finished_count == self._backward_mark:
             self.engine.reducer.finish_backward()
+
+    @contextmanager
+    def _root_gathered(self) -> Generator[None, None, None]:
+        gatherer = self.engine.gatherer if self.engine is not None else None
+        if gatherer is None:
+            yield
+            return
+        with gatherer.pin_root():
+            yield
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._root_gathered():
+            return super().training_step(*args, **kwargs)
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._root_gathered():
+            return super().validation_step(*args, **kwargs)
+
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._root_gathered():
+            return super().test_step(*args, **kwargs)
+
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._root_gathered():
+            return super().predict_step(*args, **kwargs)
 
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         model = model if model is not None else self.lightning_module

@@ -59,7 +59,8 @@ def make_optimizer(model: nn.Module, kind: str) -> torch.optim.Optimizer:
 
 
 def run_case(rank: int, world: int, mode: str, stage: int, steps: int = 4, micro: int = 1,
-             clip: str = "", opt: str = "adamw", bucket: int = 500, overlap: bool = True) -> dict:
+             clip: str = "", opt: str = "adamw", bucket: int = 500, overlap: bool = True,
+             options: dict | None = None) -> dict:
     """Train ``steps`` optimizer steps; ``mode`` is "ddp" or "zero". Returns losses and final weights."""
     torch.manual_seed(0)
     model = TiedNet()
@@ -73,8 +74,8 @@ def run_case(rank: int, world: int, mode: str, stage: int, steps: int = 4, micro
         engine = None
     else:
         net = model
-        engine = ZeroEngine(model, [optimizer], ZeroConfig(stage=stage, reduce_bucket_size=bucket,
-                                                           overlap_comm=overlap), Comm.from_group(), "cpu")
+        config = ZeroConfig(stage=stage, reduce_bucket_size=bucket, overlap_comm=overlap, **(options or {}))
+        engine = ZeroEngine(model, [optimizer], config, Comm.from_group(), "cpu")
     batches = make_batches(rank, steps, micro)
     losses = []
     for step in range(steps):

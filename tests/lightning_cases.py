@@ -63,7 +63,10 @@ class TinyLM(pl.LightningModule):
         return loss
 
     def on_train_batch_end(self, outputs, batch, batch_idx):
-        self.param_trace.append(self.fc1.weight.detach().float().flatten()[:4].clone())
+        # the full state, gathered like a checkpoint would be: stage 3 holds only shards
+        weight = self.trainer.strategy.lightning_module_state_dict()["norm.weight"] if isinstance(
+            self.trainer.strategy, ZeroStrategy) else self.norm.weight
+        self.param_trace.append(weight.detach().float().flatten()[:4].clone())
 
     def validation_step(self, batch, batch_idx):
         (idx,) = batch
@@ -137,10 +140,10 @@ def fit_case(rank: int, world: int, module_name: str, strategy: str, precision: 
     """Fit one module under one strategy; returns losses, final full state dict and extras."""
     assert lightning_zero  # registers the names
     pl.seed_everything(0, verbose=False)
-    module = TinyLM() if module_name == "lm" else TinyGAN()
+    module = {"lm": TinyLM, "blocks": BlockLM, "gan": TinyGAN}[module_name]()
     if inject:
         module.inject_inf_at = set(inject)
-    data = lm_data() if module_name == "lm" else gan_data()
+    data = gan_data() if module_name == "gan" else lm_data()
     plugins = [ZeroPrecision(plugin)] if plugin else None
     trainer = pl.Trainer(accelerator=accelerator, devices=world, strategy=make_strategy(strategy, **(options or {})),
                          precision=None if plugin else precision, plugins=plugins, max_epochs=epochs,
@@ -148,11 +151,11 @@ def fit_case(rank: int, world: int, module_name: str, strategy: str, precision: 
                          gradient_clip_algorithm=clip_algo if clip_val else None, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          num_sanity_val_steps=0, use_distributed_sampler=True)
-    trainer.fit(module, data, lm_data(16) if module_name == "lm" else None)
+    trainer.fit(module, data, None if module_name == "gan" else lm_data(16))
     out = {"losses": module.losses, "global_step": trainer.global_step,
            "state": {k: v.detach().float().cpu().clone() for k, v in module.state_dict().items()},
            "dtype": str(next(module.parameters()).dtype)}
-    if module_name == "lm":
+    if module_name != "gan":
         out["trace"] = torch.stack(module.param_trace)
         out["val"] = {k: float(v) for k, v in trainer.validate(module, lm_data(16), verbose=False)[0].items()}
         preds = trainer.predict(module, lm_data(8))
@@ -160,3 +163,32 @@ def fit_case(rank: int, world: int, module_name: str, strategy: str, precision: 
     if plugin:
         out["scale"] = trainer.precision_plugin.loss_scale
     return out
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(dim)
+        self.fc1 = nn.Linear(dim, 2 * dim)
+        self.fc2 = nn.Linear(2 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(torch.nn.functional.gelu(self.fc1(self.ln(x))))
+
+
+class BlockLM(TinyLM):
+    """TinyLM with a stack of blocks (the usual stage-3 group), one of them reused twice."""
+
+    def __init__(self, vocab: int = 37, dim: int = 24, layers: int = 3) -> None:
+        super().__init__(vocab, dim)
+        del self.fc1, self.fc2
+        self.blocks = nn.ModuleList([Block(dim) for _ in range(layers)])
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.emb(idx)
+        for block in self.blocks:
+            x = block(x)
+        x = self.blocks[0](x)  # a group module called twice in one forward
+        x = self.shared(torch.tanh(self.shared(x)))
+        logits = self.head(self.norm(self.frozen(x)))
+        return logits + 0.0 * self.head.weight.sum()  # a parameter used outside its module's forward

@@ -23,8 +23,11 @@ from torch import nn
 from ..collectives import Comm
 from ..config import DTYPE_NAMES, ZeroConfig
 from ..partition import layout_unit, plan_buckets
+from .activation import apply_activation_checkpointing
 from .flat_unit import FlatUnit, UnitState
+from .gather import Gatherer, build_needs, group_modules, owner_of
 from .grads import GradientReducer
+from .materialize import RngState, has_meta, materialize_module
 from .optim import check_optimizer, point_at_masters
 
 __all__ = ["ZeroEngine", "dtype_of"]
@@ -44,10 +47,12 @@ class ZeroEngine:
         comm: collectives over the data-parallel group.
         device: where buffers live.
         compute_dtype: dtype of parameters and gradients in the module (fp32, bf16, fp16).
+        init_rng: random state captured when a meta-device model was created (stage 3 init).
     """
 
     def __init__(self, module: nn.Module, optimizers: list[torch.optim.Optimizer], config: ZeroConfig,
-                 comm: Comm, device: torch.device, compute_dtype: torch.dtype = torch.float32) -> None:
+                 comm: Comm, device: torch.device, compute_dtype: torch.dtype = torch.float32,
+                 init_rng: Optional[RngState] = None) -> None:
         self.module = module
         self.optimizers = list(optimizers)
         self.config = config
@@ -57,20 +62,34 @@ class ZeroEngine:
         self.reduce_dtype = dtype_of(config.reduce_dtype, compute_dtype)
         for optimizer in self.optimizers:
             check_optimizer(optimizer, config.allow_untested_optimizer)
+        if not getattr(module, "_lightning_zero_checkpointed", False):  # once per module, across fits
+            apply_activation_checkpointing(module, config.activation_checkpointing)
+            module._lightning_zero_checkpointed = bool(config.activation_checkpointing)
         self.names = {id(p): n for n, p in module.named_parameters()}
         self._position = {id(p): i for i, (_, p) in enumerate(module.named_parameters())}
         self.units: list[FlatUnit] = []
         self.units_of: dict[int, list[FlatUnit]] = {}  # id(optimizer) -> its units
-        groups = self._param_groups()
-        self._build_units(groups)
+        self.group_modules = (group_modules(module, config.wrap_modules, config.min_group_params)
+                              if config.shard_params else [])
+        self._build_units(self._param_groups(), init_rng)
         self._prepare_buffers()
         for k, optimizer in enumerate(self.optimizers):
             masters = [[u.master for u in self.units if u.group_index == (k, g)]
                        for g in range(len(optimizer.param_groups))]
             point_at_masters(optimizer, masters)
             self.units_of[id(optimizer)] = [u for u in self.units if u.group_index[0] == k]
-        self.reducer = GradientReducer([u for u in self.units if u.params], comm, config.shard_grads,
-                                       config.overlap_comm)
+        self.gatherer: Optional[Gatherer] = None
+        if config.shard_params:
+            unit_of = {id(p): u for u in self.units for p in u.params}
+            small = {u.index for u in self.units if u.layout.numel < config.param_persistence_threshold}
+            self.gatherer = Gatherer(build_needs(module, self.group_modules, unit_of), module, comm,
+                                     config.prefetch, small)
+            for unit in self.units:
+                if unit.index in small:
+                    self.gatherer.unshard(unit)
+        self.reducer = GradientReducer(self.units, comm, config.shard_grads, config.overlap_comm,
+                                       on_unit_reduced=self.gatherer.on_unit_reduced if self.gatherer else None,
+                                       on_backward_end=self.gatherer.end_of_backward if self.gatherer else None)
 
     # ---- construction -------------------------------------------------------------
     def _param_groups(self) -> list[tuple[tuple[int, int], list[nn.Parameter]]]:
@@ -99,27 +118,72 @@ class ZeroEngine:
             groups.append(((-1, 0), rest))
         return groups
 
-    def _build_units(self, groups: list[tuple[tuple[int, int], list[nn.Parameter]]]) -> None:
+    def _plans(self, groups: list[tuple[tuple[int, int], list[nn.Parameter]]]) -> list[tuple]:
+        """(param group key, parameters, group module or None): one entry per unit to build."""
         plans = []
+        if self.config.shard_params:
+            owner = owner_of(self.module, self.group_modules)
+            for key, params in groups:
+                for g in self.group_modules:
+                    mine = [p for p in params if owner[id(p)] is g]
+                    if mine:
+                        plans.append((key, mine, g))
+            return plans
         for key, params in groups:
             backward_order = params[::-1]
-            buckets = plan_buckets([p.numel() for p in backward_order], self.config.reduce_bucket_size)
-            for bucket in buckets:
-                plans.append((key, sorted((backward_order[i] for i in bucket), key=lambda q: self._position[id(q)])))
+            for bucket in plan_buckets([p.numel() for p in backward_order], self.config.reduce_bucket_size):
+                members = sorted((backward_order[i] for i in bucket), key=lambda q: self._position[id(q)])
+                plans.append((key, members, None))
+        return plans
+
+    def _build_units(self, groups: list[tuple[tuple[int, int], list[nn.Parameter]]],
+                     init_rng: Optional[RngState]) -> None:
+        plans = self._plans(groups)
+        meta = has_meta(self.module)
+        if not meta:
+            self.units = [self._build_unit(key, params) for key, params, _ in plans]
+        else:
+            self._materialize_and_build(plans, init_rng)
         # Launch order = the order backward finishes units: the later a unit's first parameter, the sooner.
-        plans.sort(key=lambda kp: -min((self._position[id(p)] for p in kp[1]), default=-1))
-        for index, (key, params) in enumerate(plans):
-            unit = FlatUnit(index=index, params=params, names=[self.names[id(p)] for p in params],
-                            layout=layout_unit([p.numel() for p in params], self.comm.world_size),
-                            rank=self.comm.rank, compute_dtype=self.compute_dtype,
-                            reduce_dtype=self.reduce_dtype, group_index=key)
-            staging = torch.zeros(unit.layout.padded_numel, dtype=torch.float32, device=self.device)
-            for slot, p in zip(unit.layout.slots, params):
-                staging[slot.offset:slot.end].copy_(p.detach().reshape(-1))
-            self.comm.broadcast(staging, src=0)  # every rank starts from rank 0's values, as DDP does
-            unit.shapes = [p.shape for p in params]
-            unit.build_from_flat(staging, keep_full=not self.config.shard_params)
-            self.units.append(unit)
+        self.units.sort(key=lambda u: -min((self._position[id(p)] for p in u.params), default=-1))
+        for index, unit in enumerate(self.units):
+            unit.index = index
+
+    def _materialize_and_build(self, plans: list[tuple], init_rng: Optional[RngState]) -> None:
+        """Meta model: materialize module by module; shard each group as soon as it is complete."""
+        modules = list(self.module.named_modules())
+        groups = self.group_modules if self.config.shard_params else [self.module]
+        prefixes = sorted(((n, m) for n, m in modules if any(m is g for g in groups)), key=lambda t: -len(t[0]))
+        last = {}
+        for i, (name, _) in enumerate(modules):
+            home = next(m for p, m in prefixes if p == "" or name == p or name.startswith(p + "."))
+            last[id(home)] = i
+        done_at: dict[int, list] = {}
+        for key, params, group in plans:
+            done_at.setdefault(last[id(group if group is not None else self.module)], []).append((key, params))
+        saved = RngState()
+        if init_rng is not None:
+            init_rng.restore()
+        try:
+            for i, (name, module) in enumerate(modules):
+                materialize_module(name, module, self.device)
+                for key, params in done_at.get(i, []):
+                    self.units.append(self._build_unit(key, params))
+        finally:
+            saved.restore()
+
+    def _build_unit(self, key: tuple[int, int], params: list[nn.Parameter]) -> FlatUnit:
+        unit = FlatUnit(index=-1, params=params, names=[self.names[id(p)] for p in params],
+                        layout=layout_unit([p.numel() for p in params], self.comm.world_size),
+                        rank=self.comm.rank, compute_dtype=self.compute_dtype,
+                        reduce_dtype=self.reduce_dtype, group_index=key)
+        staging = torch.zeros(unit.layout.padded_numel, dtype=torch.float32, device=self.device)
+        for slot, p in zip(unit.layout.slots, params):
+            staging[slot.offset:slot.end].copy_(p.detach().reshape(-1))
+        self.comm.broadcast(staging, src=0)  # every rank starts from rank 0's values, as DDP does
+        unit.shapes = [p.shape for p in params]
+        unit.build_from_flat(staging, keep_full=not self.config.shard_params)
+        return unit
 
     @torch.no_grad()
     def _prepare_buffers(self) -> None:
@@ -215,10 +279,13 @@ class ZeroEngine:
         """Give the module back as plain fp32 parameters holding the trained (master) values."""
         self.finish_grads()
         self.reducer.remove_hooks()
+        if self.gatherer is not None:
+            self.gatherer.remove_hooks()
         for unit, full in self.gather_masters():
             for param, view in zip(unit.params, unit.views(full)):
                 param.data = view.clone().to(device or self.device)
                 param.grad = None
+            unit.full = None
 
     def gather_masters(self) -> Iterable[tuple[FlatUnit, torch.Tensor]]:
         """Yield each unit with its full fp32 values (one unit's full buffer alive at a time)."""

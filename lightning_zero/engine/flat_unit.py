@@ -68,6 +68,7 @@ class FlatUnit:
     grad_full: Optional[torch.Tensor] = None
     grad_written: set = field(default_factory=set)  # slot indices holding a gradient this window
     pending: int = 0  # trainable parameters whose gradient has not arrived this backward
+    pins: int = 0  # stage 3: running scopes (forward of a group module, a pinned step) using the unit
     launched: bool = False
 
     @property

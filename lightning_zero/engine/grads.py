@@ -39,16 +39,19 @@ class GradientReducer:
         overlap: launch while backward runs (True) or only once it has ended.
         on_unit_reduced: called with each unit after its gradients are reduced (stage 3
             uses it to free the gathered parameters).
+        on_backward_end: called once a backward has finished (stage 3 frees what is left).
         max_inflight: full-size buffers allowed to wait on a collective at once.
     """
 
     def __init__(self, units: list[FlatUnit], comm: Comm, shard_grads: bool, overlap: bool,
-                 on_unit_reduced: Optional[Callable[[FlatUnit], None]] = None, max_inflight: int = 2) -> None:
+                 on_unit_reduced: Optional[Callable[[FlatUnit], None]] = None,
+                 on_backward_end: Optional[Callable[[], None]] = None, max_inflight: int = 2) -> None:
         self.units = units
         self.comm = comm
         self.shard_grads = shard_grads
         self.overlap = overlap
         self.on_unit_reduced = on_unit_reduced
+        self.on_backward_end = on_backward_end
         self.max_inflight = max_inflight
         self.sync = True  # False inside block_backward_sync (honoured by stage 1 only)
         self._inflight: deque = deque()
@@ -152,6 +155,8 @@ class GradientReducer:
             self._next = len(self.units)
         self.wait_all()
         self._in_backward = False
+        if self.on_backward_end is not None:
+            self.on_backward_end()
 
     def _sweep_unhooked_grads(self) -> None:
         for unit in self.units[self._next:]:

@@ -106,7 +106,7 @@ def memory_report(engine: ZeroEngine) -> MemoryReport:
     return MemoryReport(rank=engine.comm.rank, world_size=w, stage=stage, num_params=n, measured=measured,
                         formula_paper=int(_paper(stage, n, w)),
                         formula_ours=int(_ours(engine, n, w, state_bytes_per_elem)),
-                        peak_gathered=getattr(engine, "peak_gathered_bytes", 0))
+                        peak_gathered=engine.gatherer.peak_gathered_bytes if engine.gatherer is not None else 0)
 
 
 def _paper(stage: int, n: int, w: int) -> float:

@@ -1,0 +1,66 @@
+"""Materializing a model built on the meta device, one module at a time.
+
+[Note: initialization and seeds]
+A module created under ``trainer.init_module(empty_init=True)`` or in ``configure_model``
+(stage 3) has meta parameters: no memory, no values. Each module gets real memory with
+``to_empty`` and its values from its own ``reset_parameters()``, in ``named_modules`` order
+(the order ``__init__`` usually creates them in), starting from the random-number state
+captured when the meta context was entered. A model whose initialization lives in its
+modules' ``reset_parameters`` therefore gets the same values as if it had been built for
+real on the same device with the same seed. Values then come from rank 0 (broadcast), so
+an unseeded run is still consistent across ranks. Right after a group's modules are
+materialized the engine shards them, so no rank ever holds the whole model.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+__all__ = ["has_meta", "materialize_module", "RngState"]
+
+
+class RngState:
+    """CPU (and current CUDA device) generator state, captured once and replayed."""
+
+    def __init__(self) -> None:
+        self.cpu = torch.random.get_rng_state()
+        self.cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+
+    def restore(self) -> None:
+        torch.random.set_rng_state(self.cpu)
+        if self.cuda is not None:
+            torch.cuda.set_rng_state(self.cuda)
+
+
+def has_meta(module: nn.Module) -> bool:
+    return any(t.is_meta for t in module.parameters()) or any(t.is_meta for t in module.buffers())
+
+
+def _own_meta(module: nn.Module) -> bool:
+    own = list(module.parameters(recurse=False)) + list(module.buffers(recurse=False))
+    return any(t.is_meta for t in own)
+
+
+@torch.no_grad()
+def materialize_module(name: str, module: nn.Module, device: torch.device) -> None:
+    """Give ``module``'s own meta tensors memory on ``device`` and values from ``reset_parameters``.
+
+    Parameters it shares with an already materialized module (tied weights) keep their values.
+    """
+    if not _own_meta(module):
+        return
+    kept = {n: p.detach().clone() for n, p in module.named_parameters(recurse=False) if not p.is_meta}
+    has_params = any(p.is_meta for p in module.parameters(recurse=False))
+    module.to_empty(device=device, recurse=False)
+    reset = getattr(module, "reset_parameters", None)
+    if callable(reset):
+        reset()
+    elif has_params:
+        raise RuntimeError(
+            f"Module '{name or type(module).__name__}' ({type(module).__name__}) was built on the meta device but has "
+            f"no reset_parameters(), so its parameters cannot be initialized shard by shard. Add a "
+            f"reset_parameters() method that initializes its own parameters, or build the model normally.")
+    for n, value in kept.items():
+        getattr(module, n).data.copy_(value)
+

@@ -1,0 +1,254 @@
+"""The command-line entry point: ``python -m lightning_zero.train [hydra overrides]``.
+
+Trains the example GPT (``examples/gpt.py``) on the embedded character corpus
+(``examples/data.py``) under a ZeRO strategy, all configured from the ``conf/`` groups::
+
+    python -m lightning_zero.train                                   # zero2, tiny GPT, 2 CPU ranks or all GPUs
+    python -m lightning_zero.train strategy=zero1 trainer.devices=2 trainer.precision=bf16-mixed \\
+        strategy.reduce_bucket_size=1000000 trainer.max_steps=20
+
+The ``strategy`` node holds exactly the fields of :class:`~lightning_zero.config.ZeroConfig` (the
+YAMLs are generated from it, see :func:`write_strategy_yamls`, and a structured schema built from it
+type-checks every override); the strategy is built from that node through ``ZeroConfig.from_dict``.
+
+This is the only module of the package that imports Hydra/OmegaConf.
+
+[Note: Lightning's launcher and Hydra] With ``devices > 1`` Lightning's subprocess launcher
+re-runs ``python -m lightning_zero.train <same argv>`` once per extra rank, adding
+``hydra.run.dir=<rank 0's dir>`` (so every rank writes under one output directory) and
+``hydra.output_subdir=null`` (so only rank 0 saves the composed config). The children compose
+the same config from the same argv, hence build the same strategy. ``hydra.job.chdir`` stays
+false so relative paths (and the ``examples`` package at the repo root) resolve as typed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import sys
+import time
+import typing
+from pathlib import Path
+from typing import Any, Optional
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+CONF_DIR = REPO_ROOT / "conf"
+# The example model and data live in the top-level ``examples`` package of the checkout; make it
+# importable however the app was started (from another directory, or with the package installed).
+if (REPO_ROOT / "examples" / "__init__.py").is_file() and str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+import hydra  # noqa: E402  (after the sys.path fix-up on purpose)
+import lightning.pytorch as pl  # noqa: E402
+import torch  # noqa: E402
+from hydra.core.config_store import ConfigStore  # noqa: E402
+from hydra.core.hydra_config import HydraConfig  # noqa: E402
+from hydra.utils import instantiate  # noqa: E402
+from lightning.pytorch.callbacks import Callback  # noqa: E402
+from lightning.pytorch.loggers import CSVLogger  # noqa: E402
+from omegaconf import DictConfig, OmegaConf  # noqa: E402
+
+from lightning_zero.config import ZeroConfig, ZeroConfigError, field_names  # noqa: E402
+
+__all__ = ["main", "run", "build_strategy", "resolve_devices", "check_overrides", "zero_schema",
+           "register_schema", "strategy_yaml", "write_strategy_yamls"]
+
+log = logging.getLogger("lightning_zero.train")
+
+SCHEMA_NAME = "_zero_schema"  # strategy/<this> in the ConfigStore; each strategy YAML extends it
+
+
+# ---- the strategy node: one source of truth --------------------------------------------------------
+def zero_schema() -> type:
+    """A mutable dataclass mirroring :class:`ZeroConfig` field for field, for Hydra's ConfigStore.
+
+    ZeroConfig itself is frozen, which OmegaConf turns into a read-only node that overrides could not
+    change; the mirror has the same names, types and defaults, and no validation (ZeroConfig does that).
+    """
+    hints = typing.get_type_hints(ZeroConfig)
+    fields = [(f.name, hints[f.name], dataclasses.field(default=f.default)) for f in dataclasses.fields(ZeroConfig)]
+    return dataclasses.make_dataclass("ZeroConfigSchema", fields)
+
+
+def register_schema() -> None:
+    """Store the schema as ``strategy/_zero_schema`` (idempotent: the ConfigStore overwrites)."""
+    ConfigStore.instance().store(group="strategy", name=SCHEMA_NAME, node=zero_schema())
+
+
+def strategy_yaml(stage: int) -> str:
+    """The text of ``conf/strategy/zero{stage}.yaml``: ZeroConfig's defaults with that stage."""
+    body = OmegaConf.to_yaml(OmegaConf.create(ZeroConfig(stage=stage).to_dict()))
+    return (f"# ZeRO stage {stage}. Generated from lightning_zero.config.ZeroConfig (field docs there) by\n"
+            f"# lightning_zero.train.write_strategy_yamls(); regenerate instead of editing by hand.\n"
+            f"defaults:\n  - {SCHEMA_NAME}\n  - _self_\n\n{body}")
+
+
+def write_strategy_yamls(directory: Path = CONF_DIR / "strategy") -> None:
+    for stage in (1, 2, 3):
+        (directory / f"zero{stage}.yaml").write_text(strategy_yaml(stage))
+
+
+def check_overrides(overrides: list[str]) -> None:
+    """Reject ``strategy.<key>=...`` overrides whose key is not a ZeroConfig field.
+
+    Runs before Hydra composes, so a typo gives ZeroConfig's one-line message (naming the key, a
+    close match and the valid options) instead of Hydra's multi-line composition error.
+    """
+    unknown = []
+    for arg in overrides:
+        if arg.startswith("-") or "=" not in arg:
+            continue  # Hydra's own flags (--cfg, -m, ...)
+        key = arg.split("=", 1)[0].lstrip("+~")
+        if key.startswith("strategy."):
+            name = key.split(".")[1]
+            if name not in field_names():
+                unknown.append(name)
+    if unknown:
+        ZeroConfig.from_dict(dict.fromkeys(unknown))  # raises ZeroConfigError for the first unknown key
+
+
+def build_strategy(node: Any) -> Any:
+    """``ZeroStrategy`` from the composed ``strategy`` node (through ZeroConfig, which validates it)."""
+    from lightning_zero import ZeroStrategy
+
+    values = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node)
+    return ZeroStrategy(config=ZeroConfig.from_dict(values))
+
+
+# ---- devices ---------------------------------------------------------------------------------------
+def resolve_devices(accelerator: str, devices: Any, cpu_devices: int) -> tuple[str, Any]:
+    """Turn ``accelerator: auto`` / ``devices: auto`` into what the run uses.
+
+    ``auto`` means all GPUs when CUDA is available, else ``cpu_devices`` CPU processes over gloo
+    (Lightning's own ``auto`` would give one CPU process, which shards nothing). Other accelerators
+    such as MPS are not auto-selected: the ZeRO collectives need NCCL or gloo.
+    """
+    if accelerator == "auto":
+        accelerator = "gpu" if torch.cuda.is_available() else "cpu"
+    if devices == "auto":
+        devices = torch.cuda.device_count() if accelerator in ("gpu", "cuda") else cpu_devices
+    return accelerator, devices
+
+
+def _limit_cpu_threads(accelerator: str, devices: Any) -> None:
+    """Give each CPU rank its share of the cores: N ranks x all-cores threads thrash."""
+    if accelerator == "cpu" and isinstance(devices, int) and devices > 1:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // devices))
+
+
+# ---- callbacks -------------------------------------------------------------------------------------
+class ProgressPrinter(Callback):
+    """Rank 0 logs one line every ``every`` steps (loss, lr, speed) and one per validation."""
+
+    def __init__(self, every: int) -> None:
+        self.every = max(1, every)
+        self._t0 = time.perf_counter()
+        self._step0 = self._last = self._total = 0
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._t0, self._step0, self._last = time.perf_counter(), trainer.global_step, trainer.global_step
+        self._total = int(trainer.max_steps if trainer.max_steps > 0 else trainer.estimated_stepping_batches)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        step = trainer.global_step
+        # With gradient accumulation several micro-batches end on one global step: log it once.
+        due = step != self._last and (step % self.every == 0 or step == self._total)
+        if not trainer.is_global_zero or not due:
+            return
+        self._last = step
+        loss = trainer.callback_metrics.get("train/loss")
+        lr = trainer.optimizers[0].param_groups[0]["lr"]
+        rate = (step - self._step0) / max(time.perf_counter() - self._t0, 1e-9)
+        loss_text = f"{float(loss):.4f}" if loss is not None else "n/a"
+        log.info("step %5d/%d  loss %s  lr %.2e  %.2f steps/s", step, self._total, loss_text, lr, rate)
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        metrics = trainer.callback_metrics
+        if trainer.is_global_zero and not trainer.sanity_checking and "val/loss" in metrics:
+            log.info("step %5d  val/loss %.4f  val/ppl %.2f", trainer.global_step, float(metrics["val/loss"]),
+                     float(metrics.get("val/ppl", float("nan"))))
+
+
+class MemoryReportPrinter(Callback):
+    """Reads ``strategy.memory_report()`` at the end of training, while the engine still exists
+    (the strategy's teardown hands the module back as plain parameters); rank 0 logs it."""
+
+    def __init__(self) -> None:
+        self.report: Optional[Any] = None
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        report_fn = getattr(trainer.strategy, "memory_report", None)
+        if report_fn is None:
+            return  # a non-ZeRO strategy (e.g. ddp) in an experiment
+        self.report = report_fn()
+        if trainer.is_global_zero:
+            log.info("\n%s", self.report.format())
+
+
+# ---- the job ---------------------------------------------------------------------------------------
+def _output_dir() -> str:
+    return HydraConfig.get().runtime.output_dir if HydraConfig.initialized() else os.getcwd()
+
+
+def run(cfg: DictConfig) -> dict[str, float]:
+    """Train as ``cfg`` says; returns rank 0's final ``callback_metrics`` as floats."""
+    import lightning_zero  # noqa: F401  (registers zero1/2/3 in every rank, children included)
+
+    pl.seed_everything(cfg.seed, workers=True)
+    trainer_cfg = OmegaConf.to_container(cfg.trainer, resolve=True)
+    accelerator, devices = resolve_devices(trainer_cfg.pop("accelerator"), trainer_cfg.pop("devices"),
+                                           cfg.cpu_devices)
+    _limit_cpu_threads(accelerator, devices)
+
+    if trainer_cfg.get("logger") is True:  # a fixed choice (Lightning's default depends on what is installed)
+        trainer_cfg["logger"] = CSVLogger(_output_dir(), name="logs")
+
+    datamodule = instantiate(cfg.data)
+    model = instantiate(cfg.model, vocab_size=datamodule.vocab_size)
+    memory = MemoryReportPrinter()
+    trainer = pl.Trainer(accelerator=accelerator, devices=devices, strategy=build_strategy(cfg.strategy),
+                         callbacks=[ProgressPrinter(cfg.print_every), memory], default_root_dir=_output_dir(),
+                         **trainer_cfg)
+    if trainer.is_global_zero:
+        log.info("%s", datamodule.describe())
+        log.info("strategy %s on %s x %s, precision %s", trainer.strategy.config, accelerator, devices,
+                 trainer.precision)
+    trainer.fit(model, datamodule=datamodule)
+
+    if trainer.is_global_zero and cfg.sample_chars > 0 and model.model is not None:
+        _log_sample(model, datamodule, cfg.sample_chars, cfg.seed)
+    return {k: float(v) for k, v in trainer.callback_metrics.items()}
+
+
+def _log_sample(model: Any, datamodule: Any, n_chars: int, seed: int) -> None:
+    """Rank 0 only, after fit (the strategy has handed back the trained, unsharded parameters)."""
+    tokenizer = datamodule.tokenizer
+    start = torch.tensor([tokenizer.encode("The ").tolist()], device=model.device)
+    out = model.generate(start, n_chars, temperature=0.8, top_k=20, generator=_generator(model.device, seed))
+    log.info("sample:\n%s", tokenizer.decode(out[0]))
+
+
+def _generator(device: torch.device, seed: int) -> torch.Generator:
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+@hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
+def main(cfg: DictConfig) -> None:
+    try:
+        run(cfg)
+    except ZeroConfigError as err:  # a bad value in the strategy node: one line, not a traceback
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+
+
+register_schema()
+
+if __name__ == "__main__":
+    try:
+        check_overrides(sys.argv[1:])
+    except ZeroConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+    main()
