@@ -43,6 +43,9 @@ def run_ranks(fn, world: int, *args, timeout: float = 300.0, lightning: bool = F
     With ``lightning=True`` no process group is started here: the function builds a Trainer
     (``devices=world``), which finds the torchrun-style environment and joins it.
     """
+    # A fixed mmap threshold makes glibc return large freed blocks to the OS, so that peak RSS
+    # measures what a process really held rather than heap fragmentation.
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "1048576")
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()

@@ -60,7 +60,7 @@ def make_optimizer(model: nn.Module, kind: str) -> torch.optim.Optimizer:
 
 def run_case(rank: int, world: int, mode: str, stage: int, steps: int = 4, micro: int = 1,
              clip: str = "", opt: str = "adamw", bucket: int = 500, overlap: bool = True,
-             options: dict | None = None) -> dict:
+             options: dict | None = None, eval_inference: bool = False) -> dict:
     """Train ``steps`` optimizer steps; ``mode`` is "ddp" or "zero". Returns losses and final weights."""
     torch.manual_seed(0)
     model = TiedNet()
@@ -106,6 +106,9 @@ def run_case(rank: int, world: int, mode: str, stage: int, steps: int = 4, micro
         optimizer.step()
         if engine is not None:
             engine.after_step(optimizer)
+        if eval_inference:  # evaluation between steps, as Lightning runs it on NCCL
+            with torch.inference_mode():
+                losses.append(float(loss_of(net, batches[0])))
     if engine is not None:
         engine.unflatten()
     dist.barrier()
@@ -124,3 +127,37 @@ class _null:
 def run_cases(rank: int, world: int, cases: list[dict]) -> list[dict]:
     """Several ``run_case`` calls in one process group (spawning is the slow part)."""
     return [run_case(rank, world, **case) for case in cases]
+
+
+class Stack(nn.Module):
+    """Linear layers without sharing: every parameter is gathered exactly once per pass."""
+
+    def __init__(self, dim: int = 32, layers: int = 4) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(dim, dim) for _ in range(layers)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+def count_traffic(rank: int, world: int, stage: int) -> dict:
+    """Bytes each collective moved in one optimizer step, and the padded model size in bytes."""
+    torch.manual_seed(0)
+    model = Stack()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    config = ZeroConfig(stage=stage, wrap_modules=("Linear",), param_persistence_threshold=0,
+                        reduce_bucket_size=2000)
+    comm = Comm.from_group()
+    engine = ZeroEngine(model, [optimizer], config, comm, "cpu")
+    x = torch.randn(8, 32)
+    for step in range(2):
+        comm.reset_counters()
+        model(x).square().mean().backward()
+        optimizer.step()
+        engine.after_step(optimizer)
+        optimizer.zero_grad()
+    padded_bytes = sum(u.layout.padded_numel * 4 for u in engine.units)
+    return {"moved": dict(comm.bytes_moved), "padded_bytes": padded_bytes,
+            "params": sum(p.numel() for p in model.parameters())}

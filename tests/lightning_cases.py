@@ -150,9 +150,9 @@ def fit_case(rank: int, world: int, module_name: str, strategy: str, precision: 
                          accumulate_grad_batches=accumulate, gradient_clip_val=clip_val or None,
                          gradient_clip_algorithm=clip_algo if clip_val else None, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         num_sanity_val_steps=0, use_distributed_sampler=True)
+                         num_sanity_val_steps=0, use_distributed_sampler=True, callbacks=[probe := MemoryProbe()])
     trainer.fit(module, data, None if module_name == "gan" else lm_data(16))
-    out = {"losses": module.losses, "global_step": trainer.global_step,
+    out = {"losses": module.losses, "global_step": trainer.global_step, "memory": probe.reports,
            "state": {k: v.detach().float().cpu().clone() for k, v in module.state_dict().items()},
            "dtype": str(next(module.parameters()).dtype)}
     if module_name != "gan":
@@ -192,3 +192,88 @@ class BlockLM(TinyLM):
         x = self.shared(torch.tanh(self.shared(x)))
         logits = self.head(self.norm(self.frozen(x)))
         return logits + 0.0 * self.head.weight.sum()  # a parameter used outside its module's forward
+
+
+class MetaLM(pl.LightningModule):
+    """Builds its network in configure_model: on the meta device under zero3."""
+
+    def __init__(self, vocab: int = 37, dim: int = 24, layers: int = 3) -> None:
+        super().__init__()
+        self.vocab, self.dim, self.layers = vocab, dim, layers
+        self.net: nn.Module | None = None
+        self.seen: dict = {}
+
+    def configure_model(self) -> None:
+        if self.net is None:
+            self.net = build_meta_net(self.vocab, self.dim, self.layers)
+
+    def training_step(self, batch, batch_idx):
+        (idx,) = batch
+        logits = self.net(idx[:, :-1])
+        return nn.functional.cross_entropy(logits.float().reshape(-1, self.vocab), idx[:, 1:].reshape(-1))
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+def build_meta_net(vocab: int, dim: int, layers: int) -> nn.Module:
+    # Modules are created in the order named_modules() lists them: the order materialization replays.
+    emb = nn.Embedding(vocab, dim)
+    blocks = [Block(dim) for _ in range(layers)]
+    norm = nn.LayerNorm(dim)
+    head = nn.Linear(dim, vocab, bias=False)
+    head.weight = emb.weight
+    return nn.Sequential(emb, *blocks, norm, head)
+
+
+class MemoryProbe(pl.Callback):
+    """Memory report while gradients and optimizer state both exist (just before a step)."""
+
+    def __init__(self) -> None:
+        self.reports: list[dict] = []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        if trainer.global_step >= 1 and isinstance(trainer.strategy, ZeroStrategy):
+            self.reports.append(trainer.strategy.memory_report().as_dict())
+
+
+class _Probe(pl.Callback):
+    def on_fit_start(self, trainer, pl_module):
+        import resource
+
+        pl_module.seen["rss_after_setup"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        pl_module.seen["meta_left"] = any(p.is_meta for p in pl_module.parameters())
+        pl_module.seen["state"] = {k: v.clone() for k, v in trainer.strategy.lightning_module_state_dict().items()}
+        pl_module.seen["tied"] = pl_module.net[0].weight is pl_module.net[-1].weight
+
+
+def meta_init_case(rank: int, world: int, dim: int, layers: int) -> dict:
+    """Build under zero3 (meta + shard-by-shard), return peak RSS growth and the initial full state."""
+    import resource
+
+    pl.seed_everything(0, verbose=False)
+    module = MetaLM(dim=dim, layers=layers)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=ZeroStrategy(stage=3, wrap_modules=("Block",)),
+                         max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, callbacks=[_Probe()])
+    trainer.fit(module, lm_data(8))
+    seen = module.seen
+    pl.seed_everything(0, verbose=False)
+    reference = {f"net.{k}": v for k, v in build_meta_net(37, dim, layers).state_dict().items()}
+    full_bytes = sum(v.numel() * 4 for k, v in reference.items() if k != "net.%d.weight" % (layers + 2))
+    return {"rss_growth": seen["rss_after_setup"] - before, "full_bytes": full_bytes, "meta_left": seen["meta_left"],
+            "tied": seen["tied"], "state": seen["state"], "reference": reference}
+
+
+def uneven_eval_case(rank: int, world: int) -> dict:
+    """Rank 1 gets one more validation batch than rank 0 (a custom, uneven split)."""
+    pl.seed_everything(0, verbose=False)
+    module = BlockLM()
+    g = torch.Generator().manual_seed(1)
+    val = DataLoader(TensorDataset(torch.randint(0, 37, (8 + 4 * rank, 9), generator=g)), batch_size=4)
+    trainer = pl.Trainer(accelerator="cpu", devices=world, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
+                         strategy=ZeroStrategy(stage=3, wrap_modules=("Block",), collective_timeout_s=6.0))
+    trainer.validate(module, val, verbose=False)
+    return {}

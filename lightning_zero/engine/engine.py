@@ -164,11 +164,15 @@ class ZeroEngine:
         saved = RngState()
         if init_rng is not None:
             init_rng.restore()
+        remap: dict[int, nn.Parameter] = {}  # to_empty gives meta parameters new objects
         try:
             for i, (name, module) in enumerate(modules):
-                materialize_module(name, module, self.device)
+                materialize_module(name, module, self.device, remap)
                 for key, params in done_at.get(i, []):
-                    self.units.append(self._build_unit(key, params))
+                    current = [remap.get(id(p), p) for p in params]
+                    for old, new in zip(params, current):
+                        self.names[id(new)], self._position[id(new)] = self.names[id(old)], self._position[id(old)]
+                    self.units.append(self._build_unit(key, current))
         finally:
             saved.restore()
 

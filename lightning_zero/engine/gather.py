@@ -109,7 +109,15 @@ class Gatherer:
         if unit.state is UnitState.UNSHARDED:
             return
         self._issue(unit)
-        self._pending.pop(unit.index)[1].wait()
+        try:
+            self._pending.pop(unit.index)[1].wait()
+        except RuntimeError as err:
+            raise RuntimeError(
+                f"lightning_zero stage 3: the all-gather of parameters {unit.names[:3]}... did not complete on every "
+                f"rank. The usual cause is ranks running different numbers of forward passes (uneven evaluation "
+                f"batches from a custom sampler, or data-dependent control flow): under stage 3 every rank must run "
+                f"the same forward passes. Give each rank the same number of batches (Lightning's "
+                f"DistributedSampler does), or use stage 1/2 for that evaluation.") from err
         with torch.inference_mode(False):
             unit.point_params_at_full()
         self.gathered_bytes += unit.full.numel() * unit.full.element_size()

@@ -43,15 +43,21 @@ def _own_meta(module: nn.Module) -> bool:
 
 
 @torch.no_grad()
-def materialize_module(name: str, module: nn.Module, device: torch.device) -> None:
+def materialize_module(name: str, module: nn.Module, device: torch.device, remap: dict[int, nn.Parameter]) -> None:
     """Give ``module``'s own meta tensors memory on ``device`` and values from ``reset_parameters``.
 
-    Parameters it shares with an already materialized module (tied weights) keep their values.
+    ``to_empty`` replaces meta Parameter objects by new ones; ``remap`` (id of the old -> new)
+    collects them, and references to an already replaced parameter (a tied weight) are
+    pointed at its new object first, so ties survive and keep their first owner's values.
     """
+    for key, p in list(module._parameters.items()):
+        if p is not None and id(p) in remap:
+            module._parameters[key] = remap[id(p)]
     if not _own_meta(module):
         return
+    before = dict(module._parameters)
     kept = {n: p.detach().clone() for n, p in module.named_parameters(recurse=False) if not p.is_meta}
-    has_params = any(p.is_meta for p in module.parameters(recurse=False))
+    has_params = any(t.is_meta for t in list(module.parameters(recurse=False)) + list(module.buffers(recurse=False)))
     module.to_empty(device=device, recurse=False)
     reset = getattr(module, "reset_parameters", None)
     if callable(reset):
@@ -59,8 +65,13 @@ def materialize_module(name: str, module: nn.Module, device: torch.device) -> No
     elif has_params:
         raise RuntimeError(
             f"Module '{name or type(module).__name__}' ({type(module).__name__}) was built on the meta device but has "
-            f"no reset_parameters(), so its parameters cannot be initialized shard by shard. Add a "
-            f"reset_parameters() method that initializes its own parameters, or build the model normally.")
+            f"no reset_parameters(), so its parameters and buffers cannot be initialized shard by shard. Add a "
+            f"reset_parameters() method that initializes its own tensors, or build the model normally "
+            f"(ZeroStrategy builds on the meta device under trainer.init_module() and in configure_model).")
     for n, value in kept.items():
         getattr(module, n).data.copy_(value)
+    for key, old in before.items():
+        new = module._parameters[key]
+        if old is not None and new is not old:
+            remap[id(old)] = new
 

@@ -1,0 +1,150 @@
+"""The Hydra app: composition with overrides, the strategy node == ZeroConfig, clear errors, one real run."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
+from omegaconf import OmegaConf
+
+from lightning_zero.config import ZeroConfig, ZeroConfigError, field_names
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+CONF = REPO_ROOT / "conf"
+train = pytest.importorskip("lightning_zero.train")  # registers the strategy schema in the ConfigStore
+
+
+def _compose(*overrides: str):
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose("config", overrides=list(overrides))
+
+
+def _app(*args: str, cwd: Path, timeout: float) -> subprocess.CompletedProcess:
+    # PYTHONPATH: the package is run from a checkout (it need not be installed).
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run([sys.executable, "-m", "lightning_zero.train", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+# ---- composition -----------------------------------------------------------------------------------
+def test_default_job() -> None:
+    cfg = _compose()
+    assert ZeroConfig.from_dict(cfg.strategy) == ZeroConfig(stage=2)
+    assert cfg.trainer.accelerator == "auto" and cfg.trainer.devices == "auto"
+    assert cfg.trainer.precision == "32-true"
+    assert cfg.model.seq_len == cfg.data.seq_len  # one number, interpolated
+    assert OmegaConf.load(CONF / "config.yaml").hydra.job.chdir is False  # `examples` resolves from the launch dir
+
+
+def test_overrides_compose() -> None:
+    cfg = _compose("strategy=zero1", "trainer.devices=2", "trainer.precision=bf16-mixed",
+                   "strategy.reduce_bucket_size=1000000", "trainer.max_steps=20")
+    assert cfg.trainer.devices == 2 and cfg.trainer.precision == "bf16-mixed" and cfg.trainer.max_steps == 20
+    assert ZeroConfig.from_dict(cfg.strategy) == ZeroConfig(stage=1, reduce_bucket_size=1_000_000)
+
+
+def test_tuple_fields_from_the_command_line() -> None:
+    cfg = _compose("strategy=zero3", "strategy.wrap_modules=[Block]", "strategy.reduce_dtype=bf16")
+    config = ZeroConfig.from_dict(OmegaConf.to_container(cfg.strategy))
+    assert config.wrap_modules == ("Block",) and config.reduce_dtype == "bf16" and config.shard_params
+
+
+@pytest.mark.parametrize("option", ["32-true", "bf16-mixed", "16-mixed", "bf16-true"])
+def test_precision_group(option: str) -> None:
+    assert _compose(f"precision={option}").trainer.precision == option
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_strategy_option_builds_the_strategy(stage: int) -> None:
+    from lightning_zero import ZeroStrategy
+
+    strategy = train.build_strategy(_compose(f"strategy=zero{stage}").strategy)
+    assert isinstance(strategy, ZeroStrategy) and strategy.config == ZeroConfig(stage=stage)
+
+
+def test_model_and_data_instantiate() -> None:
+    from hydra.utils import instantiate
+
+    cfg = _compose("model.n_layer=1", "model.d_model=32", "model.n_head=2", "data.train_windows=8", "data.batch_size=4")
+    dm = instantiate(cfg.data)
+    model = instantiate(cfg.model, vocab_size=dm.vocab_size)
+    dm.setup("fit")
+    x, _ = next(iter(dm.train_dataloader()))
+    assert model(x).shape == (*x.shape, dm.vocab_size)
+
+
+# ---- the strategy YAMLs are ZeroConfig ------------------------------------------------------------
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_strategy_yaml_fields_are_zeroconfig_fields(stage: int) -> None:
+    path = CONF / "strategy" / f"zero{stage}.yaml"
+    node = OmegaConf.load(path)
+    assert [k for k in node if k != "defaults"] == field_names()
+    assert path.read_text() == train.strategy_yaml(stage), "regenerate: lightning_zero.train.write_strategy_yamls()"
+
+
+def test_schema_mirrors_zeroconfig() -> None:
+    schema = OmegaConf.structured(train.zero_schema())
+    assert OmegaConf.to_container(schema) == OmegaConf.to_container(OmegaConf.create(ZeroConfig().to_dict()))
+
+
+# ---- errors ----------------------------------------------------------------------------------------
+def test_bad_key_is_named_with_the_valid_options() -> None:
+    with pytest.raises(ZeroConfigError, match=r"'stagee'.*Did you mean 'stage'.*Valid options: stage, "):
+        train.check_overrides(["strategy=zero1", "strategy.stagee=2"])
+    train.check_overrides(["strategy.stage=3", "+trainer.foo=1", "--cfg", "job"])  # no complaint
+    with pytest.raises(ConfigCompositionException):  # composed directly, the schema rejects it
+        _compose("strategy.stagee=2")
+    with pytest.raises(ZeroConfigError, match="'stagee'"):  # `+` forces it past the schema: ZeroConfig stops it
+        train.build_strategy(_compose("+strategy.stagee=2").strategy)
+
+
+def test_bad_value_is_a_zeroconfig_error() -> None:
+    with pytest.raises(ZeroConfigError, match="stage"):
+        train.build_strategy(_compose("strategy.stage=5").strategy)
+
+
+def test_bad_key_on_the_command_line_is_one_line(tmp_path: Path) -> None:
+    out = _app("strategy.stagee=2", cwd=tmp_path, timeout=120)
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "stagee" in lines[0] and "Valid options" in lines[0], out.stderr
+    assert "Traceback" not in out.stderr
+
+
+# ---- devices ---------------------------------------------------------------------------------------
+def test_resolve_devices(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert train.resolve_devices("auto", "auto", 2) == ("cpu", 2)
+    assert train.resolve_devices("cpu", 3, 2) == ("cpu", 3)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    assert train.resolve_devices("auto", "auto", 2) == ("gpu", 4)
+    assert train.resolve_devices("auto", [0, 1], 2) == ("gpu", [0, 1])
+
+
+# ---- end to end ------------------------------------------------------------------------------------
+SMOKE = ("trainer.devices=2", "trainer.max_steps=4", "trainer.val_check_interval=2", "trainer.limit_val_batches=1",
+         "model.n_layer=1", "model.d_model=64", "model.n_head=2", "print_every=2", "sample_chars=20")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("extra", [(), ("strategy=zero1", "trainer.precision=bf16-mixed",
+                                        "strategy.reduce_bucket_size=1000000")], ids=["zero2-fp32", "zero1-bf16"])
+def test_app_trains_on_two_cpu_ranks(tmp_path: Path, extra: tuple[str, ...]) -> None:
+    """The real app, started from another directory: Lightning re-launches it for rank 1 under Hydra."""
+    run_dir = tmp_path / "run"
+    out = _app(*SMOKE, *extra, f"hydra.run.dir={run_dir}", "trainer.accelerator=cpu", cwd=tmp_path, timeout=180)
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text[-4000:]
+    assert "step     4/4" in text and "val/loss" in text
+    assert "lightning_zero memory report — rank 0/2" in text
+    assert (run_dir / "train_ddp_process_1.log").is_file()  # rank 1 ran in the same output directory
+    assert (run_dir / ".hydra" / "config.yaml").is_file()
+    saved = OmegaConf.load(run_dir / ".hydra" / "config.yaml")
+    assert saved.strategy.stage == (1 if extra else 2)
