@@ -221,6 +221,38 @@ class ZeroStrategy(ParallelStrategy):
         model = model if model is not None else self.lightning_module
         return self.precision_plugin.zero_optimizer_step(optimizer, model=model, closure=closure, **kwargs)
 
+    # ---- evaluation: every rank must run the same forward passes under stage 3 ------------------
+    def on_validation_start(self) -> None:
+        trainer = self.lightning_module.trainer
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        self._check_even_batches(trainer.fit_loop.epoch_loop.val_loop if fitting else trainer.validate_loop, "val")
+
+    def on_test_start(self) -> None:
+        self._check_even_batches(self.lightning_module.trainer.test_loop, "test")
+
+    def on_predict_start(self) -> None:
+        self._check_even_batches(self.lightning_module.trainer.predict_loop, "predict")
+
+    def _check_even_batches(self, loop: Any, stage: str) -> None:
+        """Stage 3 gathers parameters in every forward: a rank with an extra batch would wait forever."""
+        if not self.config.shard_params or self.comm.world_size == 1:
+            return
+        counts = [float(n) for n in getattr(loop, "max_batches", [])]
+        if not counts or any(c == float("inf") for c in counts):
+            return  # unsized loaders: the collective timeout turns a mismatch into an error
+        mine = torch.tensor(counts, dtype=torch.float64, device=self.root_device)
+        high, low = mine.clone(), -mine.clone()
+        self.comm.all_reduce(high, op="max")
+        self.comm.all_reduce(low, op="max")
+        if not torch.equal(high, -low):
+            raise RuntimeError(
+                f"ZeroStrategy(stage=3): ranks have different numbers of {stage} batches (this rank: "
+                f"{[int(c) for c in counts]}, between {[int(-x) for x in low.tolist()]} and "
+                f"{[int(x) for x in high.tolist()]} across ranks). Every stage-3 forward gathers parameters on all "
+                f"ranks, so uneven batches would hang. Use Lightning's DistributedSampler (use_distributed_sampler="
+                f"True, the default), make your sampler give every rank the same number of batches, or evaluate "
+                f"with stage 1/2.")
+
     # ---- collectives Lightning uses (metrics, logging, barriers) -------------------------------
     def barrier(self, *args: Any, **kwargs: Any) -> None:
         if not _distributed_is_initialized():

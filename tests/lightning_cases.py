@@ -261,7 +261,7 @@ def meta_init_case(rank: int, world: int, dim: int, layers: int) -> dict:
     seen = module.seen
     pl.seed_everything(0, verbose=False)
     reference = {f"net.{k}": v for k, v in build_meta_net(37, dim, layers).state_dict().items()}
-    full_bytes = sum(v.numel() * 4 for k, v in reference.items() if k != "net.%d.weight" % (layers + 2))
+    full_bytes = sum(v.numel() * 4 for k, v in reference.items() if k != f"net.{layers + 2}.weight")
     return {"rss_growth": seen["rss_after_setup"] - before, "full_bytes": full_bytes, "meta_left": seen["meta_left"],
             "tied": seen["tied"], "state": seen["state"], "reference": reference}
 
