@@ -16,6 +16,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+import os
+
 import torch
 import torch.distributed as dist
 
@@ -55,6 +57,12 @@ class Comm:
     world_size: int = 1
     group: Optional[Any] = None
     bytes_moved: Counter = field(default_factory=Counter)  # op name -> bytes of full-size tensor
+    # LIGHTNING_ZERO_FORCE_COLLECTIVES=1 runs real collectives even on one rank (to profile overlap).
+    force: bool = field(default_factory=lambda: os.environ.get("LIGHTNING_ZERO_FORCE_COLLECTIVES") == "1")
+
+    @property
+    def _local(self) -> bool:
+        return self.world_size == 1 and not (self.force and dist.is_initialized())
 
     @classmethod
     def from_group(cls, group: Optional[Any] = None) -> Comm:
@@ -74,7 +82,7 @@ class Comm:
     def reduce_scatter(self, output: torch.Tensor, full: torch.Tensor, async_op: bool = False) -> Handle:
         """Sum ``full`` (world_size * len(output) elements) across ranks; keep this rank's chunk."""
         self._count("reduce_scatter", full)
-        if self.world_size == 1:
+        if self._local:
             output.copy_(full)
             return Handle()
         work = _REDUCE_SCATTER(output, full, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op)
@@ -83,7 +91,7 @@ class Comm:
     def all_gather(self, full: torch.Tensor, shard: torch.Tensor, async_op: bool = False) -> Handle:
         """Concatenate every rank's ``shard`` into ``full``; ``shard`` may be a view of ``full``."""
         self._count("all_gather", full)
-        if self.world_size == 1:
+        if self._local:
             if shard.data_ptr() != full.data_ptr():
                 full.copy_(shard)
             return Handle()

@@ -77,6 +77,8 @@ class ZeroConfig:
             if isinstance(value, str):
                 value = (value,)
             object.__setattr__(self, name, tuple(_class_name(v) for v in value))
+        for f in dataclasses.fields(self):
+            _check_type(f.name, f.type, getattr(self, f.name))
         _check(self.stage in (1, 2, 3), "stage", self.stage, "use 1, 2 or 3 (zero1/zero2/zero3)")
         for name in ("reduce_bucket_size", "min_group_params"):
             value = getattr(self, name)
@@ -92,6 +94,8 @@ class ZeroConfig:
         _check(isinstance(self.hysteresis, int) and self.hysteresis >= 1, "hysteresis", self.hysteresis,
                "use an integer >= 1 (1 halves the scale at the first overflow)")
         _check(self.min_loss_scale > 0, "min_loss_scale", self.min_loss_scale, "use a positive scale")
+        _check(self.initial_scale_power <= 64, "initial_scale_power", self.initial_scale_power,
+               "use at most 64 (DeepSpeed's default is 16, a scale of 65536)")
         _check(self.min_loss_scale <= 2.0**self.initial_scale_power or self.loss_scale > 0, "min_loss_scale",
                self.min_loss_scale, "keep it at or below 2**initial_scale_power")
         _check(self.collective_timeout_s > 0, "collective_timeout_s", self.collective_timeout_s,
@@ -140,6 +144,18 @@ def _reject_unknown(values: dict[str, Any]) -> None:
             close = difflib.get_close_matches(key, known, n=1)
             hint = f" Did you mean '{close[0]}'?" if close else ""
             raise ZeroConfigError(f"Unknown ZeroConfig option '{key}'.{hint} Valid options: {', '.join(known)}.")
+
+
+_TYPES = {"int": (int,), "float": (int, float), "bool": (bool,), "Optional[str]": (str, type(None)),
+          "tuple[str, ...]": (tuple,)}
+
+
+def _check_type(name: str, annotation: str, value: Any) -> None:
+    allowed = _TYPES[annotation]
+    ok = isinstance(value, allowed) and (bool in allowed or not isinstance(value, bool))
+    if not ok:
+        expected = annotation.replace("Optional[str]", "a string or null").replace("tuple[str, ...]", "a list of names")
+        raise ZeroConfigError(f"ZeroConfig.{name}={value!r} has type {type(value).__name__}: expected {expected}.")
 
 
 def _class_name(value: Any) -> str:

@@ -75,6 +75,7 @@ class ZeroStrategy(ParallelStrategy):
         self.engine: Optional[ZeroEngine] = None
         self.comm = Comm()
         self._init_rng: Optional[RngState] = None
+        self._released: Optional[ZeroEngine] = None  # the last fit's engine, for saving after fit returns
         self._backward_mark = 0
 
     # ---- what Lightning asks of a parallel strategy ---------------------------------------
@@ -276,10 +277,11 @@ class ZeroStrategy(ParallelStrategy):
 
     # ---- state -------------------------------------------------------------------------------------
     def memory_report(self) -> MemoryReport:
-        """Per-rank model-state bytes (measured) beside the ZeRO formulas."""
-        if self.engine is None:
+        """Per-rank model-state bytes (measured) beside the ZeRO formulas (after fit: its last state)."""
+        engine = self.engine or self._released
+        if engine is None:
             raise RuntimeError("memory_report() needs a set-up strategy: call it during or after trainer.fit().")
-        return memory_report(self.engine)
+        return memory_report(engine)
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """Full state dict (fp32 master values, same keys as ``module.state_dict()``), on every rank."""
@@ -293,8 +295,10 @@ class ZeroStrategy(ParallelStrategy):
         load_model_state(self.engine, checkpoint["state_dict"], strict=strict)
 
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        assert self.engine is not None
-        return full_optimizer_state(self.engine, optimizer)
+        engine = self.engine or self._released
+        if engine is None:
+            return super().optimizer_state(optimizer)
+        return full_optimizer_state(engine, optimizer)
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         assert self.engine is not None
@@ -310,7 +314,7 @@ class ZeroStrategy(ParallelStrategy):
         """Hand the module back as plain parameters holding the trained values."""
         if self.engine is not None:
             self.engine.unflatten()
-            self.engine = None
+            self._released, self.engine = self.engine, None
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:

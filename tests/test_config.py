@@ -113,7 +113,6 @@ WRONG_TYPE = [
 ]
 
 
-@pytest.mark.xfail(strict=True, reason="ZeroConfig does not type-check these fields yet (reported)")
 @pytest.mark.parametrize("name, value", WRONG_TYPE, ids=[f"{n}={v!r}" for n, v in WRONG_TYPE])
 def test_wrongly_typed_value_names_the_field(name: str, value) -> None:
     with pytest.raises(ZeroConfigError, match=name):

@@ -71,7 +71,13 @@ class ZeroEngine:
         self.units_of: dict[int, list[FlatUnit]] = {}  # id(optimizer) -> its units
         self.group_modules = (group_modules(module, config.wrap_modules, config.min_group_params)
                               if config.shard_params else [])
-        self._build_units(self._param_groups(), init_rng)
+        groups = self._param_groups()  # validates the optimizers' parameters first
+        # the user's parameter order per (optimizer, group): checkpoints list names in it, so a
+        # plain (non-ZeRO) optimizer can load them by position
+        self.group_names: dict[tuple[int, int], list[str]] = {
+            (k, g): [self.names[id(p)] for p in group["params"]]
+            for k, optimizer in enumerate(self.optimizers) for g, group in enumerate(optimizer.param_groups)}
+        self._build_units(groups, init_rng)
         self._prepare_buffers()
         for k, optimizer in enumerate(self.optimizers):
             masters = [[u.master for u in self.units if u.group_index == (k, g)]

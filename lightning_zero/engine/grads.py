@@ -115,7 +115,7 @@ class GradientReducer:
                 unit.grad_full[slot.offset:slot.end].zero_()
         unit.grad_written.clear()
         full = unit.grad_full
-        if self.comm.world_size == 1:  # nothing to reduce: the buffer is the shard
+        if self.comm.world_size == 1 and not self.comm.force:  # nothing to reduce: the buffer is the shard
             out, handle = full, Handle()
         else:
             full.div_(self.comm.world_size)  # pre-divide, as DDP does: keeps 16-bit sums in range

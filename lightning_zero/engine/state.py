@@ -111,10 +111,11 @@ def full_optimizer_state(engine: ZeroEngine, optimizer: torch.optim.Optimizer) -
                 for name in unit.names:
                     per_param.setdefault(name, {})[key] = value.cpu().clone() if isinstance(value, torch.Tensor) \
                         else value
+    k = units[0].group_index[0] if units else 0
     groups = []
     for g, group in enumerate(optimizer.param_groups):
-        names = [n for u in units if u.group_index[1] == g for n in u.names]
-        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": names})
+        names = engine.group_names.get((k, g), [])
+        groups.append({**{key: v for key, v in group.items() if key != "params"}, "params": names})
     return {"format": FORMAT, "state": per_param, "param_groups": groups, "elementwise": sorted(elementwise)}
 
 

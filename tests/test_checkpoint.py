@@ -1,0 +1,151 @@
+"""ZeRO checkpoints: resume on the same, fewer and more ranks, under another stage, and under DDP.
+
+The batch of each step is a function of ``global_step`` and is the same on every rank (see the
+note in ``checkpoint_cases.py``), so the math of a step does not depend on the world size and an
+uninterrupted run on any number of ranks is a valid reference for a resume on any other number.
+Checkpoints are written at the end of training from ``on_train_end`` on every rank (see
+``test_save_checkpoint_after_fit_returns`` for what happens once ``fit`` has returned).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from checkpoint_cases import FIRST, TOTAL, fit_steps, world2_cases, world4_cases
+from dist_utils import run_ranks
+from parity import state_err
+
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def ckpt_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("ckpt"))
+
+
+@pytest.fixture(scope="module")
+def world2(ckpt_dir):
+    return run_ranks(world2_cases, 2, ckpt_dir, lightning=True)
+
+
+@pytest.fixture(scope="module")
+def world4(world2, ckpt_dir):
+    return run_ranks(world4_cases, 4, ckpt_dir, lightning=True)
+
+
+@pytest.fixture(scope="module")
+def world1(world2, world4, ckpt_dir):
+    # devices=1 runs in this process (the strategy starts a one-rank gloo group here).
+    return {"ref": fit_steps(1, "zero1", TOTAL),
+            "from2": fit_steps(1, "zero1", TOTAL, ckpt_in=f"{ckpt_dir}/a.ckpt"),
+            "from4": fit_steps(1, "zero1", TOTAL, ckpt_in=f"{ckpt_dir}/a4.ckpt"),
+            "zero2_from2": fit_steps(1, "zero2", TOTAL, ckpt_in=f"{ckpt_dir}/a.ckpt")}
+
+
+def assert_resumed_like(run: dict, ref: dict) -> None:
+    """Resumed run == uninterrupted run: parameters, steps, scheduler, learning rates, data order."""
+    err = state_err(run["state"], ref["state"])
+    assert err <= TOL, f"resumed parameters differ from the uninterrupted run by {err:.2e}"
+    assert state_err(run["final"], ref["final"]) <= TOL  # the module handed back after teardown
+    assert run["global_step"] == ref["global_step"] == TOTAL
+    assert run["sched"] == ref["sched"]
+    assert run["sched"]["last_epoch"] == TOTAL  # the scheduler really stepped per step (not left at 0)
+    assert run["lrs"] == ref["lrs"]
+    assert run["seen_steps"] == list(range(FIRST, TOTAL))
+    assert len(run["losses"]) == TOTAL - FIRST
+    assert max(abs(a - b) / abs(b) for a, b in zip(run["losses"], ref["losses"][FIRST:])) <= TOL
+
+
+def test_checkpoint_file_holds_full_fp32_state(world2, ckpt_dir):
+    ckpt = torch.load(f"{ckpt_dir}/a.ckpt", weights_only=False)
+    ref = world2[0]["a"]["state"]
+    sd = ckpt["state_dict"]
+    assert sd.keys() == ref.keys() and {"emb.weight", "head.weight"} <= sd.keys()  # tied: both keys
+    assert all(sd[k].shape == ref[k].shape and sd[k].dtype == torch.float32 for k in sd)
+    assert torch.equal(sd["emb.weight"], sd["head.weight"])
+    assert state_err(sd, ref) == 0.0
+    assert ckpt["global_step"] == FIRST
+    (opt,) = ckpt["optimizer_states"]
+    assert [g["weight_decay"] for g in opt["param_groups"]] == [0.1, 0.0]
+    assert opt["state"]["fc1.weight"]["exp_avg"].shape == (48, 24)  # full shape, not a shard
+
+
+def test_resume_same_world_size(world2):
+    for r in world2:
+        assert_resumed_like(r["resumed"], r["ref"])
+    assert state_err(world2[0]["resumed"]["state"], world2[1]["resumed"]["state"]) == 0.0
+
+
+def test_resume_under_zero1_same_world_size(world2):
+    for r in world2:
+        assert_resumed_like(r["zero1_resumed"], r["ref"])
+
+
+def test_world_size_does_not_change_the_math(world1, world2, world4):
+    # The premise of the cross-world comparisons: uninterrupted runs on 1, 2 and 4 ranks agree.
+    assert state_err(world1["ref"]["state"], world2[0]["ref"]["state"]) <= TOL
+    assert state_err(world4[0]["ref"]["state"], world2[0]["ref"]["state"]) <= TOL
+
+
+def test_resume_on_one_rank_zero1(world1):
+    assert_resumed_like(world1["from2"], world1["ref"])  # written by 2 ranks (zero2), read by 1 (zero1)
+    assert_resumed_like(world1["from4"], world1["ref"])  # written by 4 ranks
+    assert_resumed_like(world1["zero2_from2"], world1["ref"])
+
+
+def test_resume_on_four_ranks(world4):
+    for r in world4:
+        assert_resumed_like(r["resumed"], r["ref"])  # written by 2 ranks, read by 4
+
+
+def test_modelcheckpoint_last(world2):
+    for r in world2:
+        case = r["last"]
+        assert "last.ckpt" in case["files"] and case["last_global_step"] == 4
+        assert case["first"]["global_step"] == 4
+        resumed = case["resumed"]
+        assert resumed["seen_steps"] == list(range(4, TOTAL))
+        assert state_err(resumed["state"], r["ref"]["state"]) <= TOL
+        assert resumed["global_step"] == TOTAL and resumed["sched"] == r["ref"]["sched"]
+
+
+def test_fp16_loss_scaler_restored(world2):
+    for r in world2:
+        saved = r["fp16_a"]["scaler"]
+        # step 1 overflowed on rank 1: 2**8 halved once (hysteresis 1), so the scale is not the initial one
+        assert saved["scale"] == 128.0 and saved["overflows"] == 1
+        resumed = r["fp16_resumed"]
+        assert resumed["seen_scales"][0] == saved["scale"]  # the first step after resume uses the saved scale
+        assert resumed["scaler"] == r["fp16_ref"]["scaler"]
+        assert resumed["scaler"]["step_count"] == 7
+        assert state_err(resumed["state"], r["fp16_ref"]["state"]) <= TOL
+
+
+def test_missing_key_strict_is_a_clear_key_error(world2):
+    for r in world2:
+        case = r["missing_key"]
+        assert case.get("error") == "KeyError", case
+        assert "fc1.bias" in case["message"] and "missing" in case["message"]
+
+
+def test_ddp_checkpoint_into_zero_is_a_clear_error(world2):
+    for r in world2:
+        case = r["ddp_to_zero"]
+        assert case.get("error") == "ValueError", case
+        assert "lightning_zero" in case["message"] and "load only the weights" in case["message"]
+
+
+def test_zero_checkpoint_resumes_under_ddp_or_fails_clearly(world2):
+    for r in world2:
+        case = r["zero_to_ddp"]
+        if "ok" in case:  # works: must then equal the uninterrupted run
+            assert_resumed_like(case["ok"], r["ref"])
+        else:  # or a clear error that names the cause
+            assert "lightning_zero" in case["message"], case
+
+
+def test_save_checkpoint_after_fit_returns(tmp_path):
+    path = str(tmp_path / "after.ckpt")
+    fit_steps(1, "zero2", 2, save_after_fit=path)
+    ckpt = torch.load(path, weights_only=False)
+    assert ckpt["global_step"] == 2 and "fc1.weight" in ckpt["state_dict"]
