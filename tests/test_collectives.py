@@ -291,7 +291,8 @@ def test_gloo(gloo_results, check: str) -> None:
 
 
 def test_world_size_one_needs_no_process_group() -> None:
-    assert not dist.is_initialized()
+    if dist.is_initialized():  # left by an in-process Trainer(devices=1) test
+        dist.destroy_process_group()
     comm = Comm.from_group()
     assert (comm.rank, comm.world_size) == (0, 1)
     assert comm.backend == "none"

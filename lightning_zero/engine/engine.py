@@ -267,7 +267,7 @@ class ZeroEngine:
             unit.master.grad = None
             unit.sync_shard_from_master()
             if unit.state is UnitState.UNSHARDED and unit.full is not None:
-                handles.append(self.comm.all_gather(unit.full, unit.shard, async_op=True))
+                handles.append(self.comm.all_gather(unit.full, unit.gather_source(), async_op=True))
         for handle in handles:
             handle.wait()
 

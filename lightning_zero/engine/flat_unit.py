@@ -4,8 +4,9 @@
 - ``full``   1D, padded, compute dtype: every rank's parameters side by side. Module
   parameters' ``.data`` are views into it while the unit is UNSHARDED.
 - ``shard``  1D, this rank's chunk of ``full`` in compute dtype. Stages 1/2 keep ``full``
-  alive, so ``shard`` is a view of it; stage 3 keeps ``shard`` as its own tensor and frees
-  ``full`` between uses.
+  alive, so ``shard`` is a view of it. Stage 3 frees ``full`` between uses and keeps no
+  16-bit shard at all: each gather casts the fp32 master on the fly (``gather_source``), so
+  its model state is the fp32 master, gradient and optimizer shards alone (16Ψ/N for Adam).
 - ``master`` 1D fp32 chunk, the tensor the user's optimizer steps. It *is* ``shard`` when the
   compute dtype is fp32 (no copy), otherwise a separate fp32 tensor. Its ``.grad`` (fp32)
   is the rank's gradient shard, so ``optimizer.zero_grad()`` keeps its usual meaning.
@@ -109,8 +110,8 @@ class FlatUnit:
             self.shard = self.full[self.shard_slice]
         else:
             self.full = None
-            self.shard = chunk.to(self.compute_dtype, copy=True)
-        master_data = self.shard if self.compute_dtype == torch.float32 else chunk.clone()
+            self.shard = chunk.clone() if self.compute_dtype == torch.float32 else None
+        master_data = self.shard if self.shard is not None and self.compute_dtype == torch.float32 else chunk.clone()
         self.master = nn.Parameter(master_data, requires_grad=True)
         if keep_full:
             self.point_params_at_full()
@@ -126,17 +127,31 @@ class FlatUnit:
 
     def empty_params(self) -> None:
         for param in self.params:
-            param.data = torch.empty(0, dtype=self.compute_dtype, device=self.shard.device)
+            param.data = torch.empty(0, dtype=self.compute_dtype, device=self.device)
         self.state = UnitState.SHARDED
 
     def sync_shard_from_master(self) -> None:
         """After an optimizer step: the compute-dtype shard takes the new fp32 values."""
-        if self.master is not None and self.master.data_ptr() != self.shard.data_ptr():
+        if self.shard is not None and self.master.data_ptr() != self.shard.data_ptr():
             self.shard.copy_(self.master.detach())
+
+    @property
+    def device(self) -> torch.device:
+        return self.master.device
+
+    @property
+    def master_is_shard(self) -> bool:
+        return self.shard is not None and self.master.data_ptr() == self.shard.data_ptr()
+
+    def gather_source(self) -> torch.Tensor:
+        """This rank's chunk in compute dtype, as all-gather input (cast from the master if needed)."""
+        if self.shard is not None:
+            return self.shard
+        return self.master.detach().to(self.compute_dtype)
 
     # ---- gradients --------------------------------------------------------------------
     def new_grad_buffer(self) -> torch.Tensor:
-        return torch.zeros(self.layout.padded_numel, dtype=self.reduce_dtype, device=self.shard.device)
+        return torch.zeros(self.layout.padded_numel, dtype=self.reduce_dtype, device=self.device)
 
     def add_grad(self, slot_index: int, grad: torch.Tensor) -> None:
         """Copy (first micro-batch of the window) or add one parameter's gradient."""
@@ -149,16 +164,3 @@ class FlatUnit:
         else:
             target.copy_(grad.reshape(-1))
             self.grad_written.add(slot_index)
-
-    def numel_bytes(self) -> dict[str, int]:
-        """Bytes this unit holds now, by category (for the memory report)."""
-
-        def size(t: Optional[torch.Tensor]) -> int:
-            return 0 if t is None else t.numel() * t.element_size()
-
-        master_extra = 0 if self.master is None or self.master.data_ptr() == self.shard.data_ptr() else size(
-            self.master)
-        params = size(self.full) if self.full is not None and self.state is UnitState.UNSHARDED else 0
-        return {"params": params if params else size(self.shard), "master": master_extra,
-                "grad_shard": size(None if self.master is None else self.master.grad),
-                "grad_buffers": size(self.grad_full)}

@@ -102,8 +102,8 @@ class Gatherer:
         if unit.state is UnitState.UNSHARDED or unit.index in self._pending:
             return
         with torch.inference_mode(False), torch.no_grad():
-            unit.full = torch.empty(unit.layout.padded_numel, dtype=unit.compute_dtype, device=unit.shard.device)
-            self._pending[unit.index] = (unit, self.comm.all_gather(unit.full, unit.shard, async_op=True))
+            unit.full = torch.empty(unit.layout.padded_numel, dtype=unit.compute_dtype, device=unit.device)
+            self._pending[unit.index] = (unit, self.comm.all_gather(unit.full, unit.gather_source(), async_op=True))
 
     def unshard(self, unit: FlatUnit) -> None:
         if unit.state is UnitState.UNSHARDED:

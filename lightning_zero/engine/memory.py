@@ -84,8 +84,11 @@ def memory_report(engine: ZeroEngine) -> MemoryReport:
         n += unit.layout.numel
         managed.update(id(p) for p in unit.params)
         full_alive = unit.full is not None and unit.state is UnitState.UNSHARDED
-        measured["parameters"] += _size(unit.full) if full_alive and not engine.config.shard_params else _size(unit.shard)
-        if unit.master is not None and unit.master.data_ptr() != unit.shard.data_ptr():
+        if engine.config.shard_params:  # the shard (if fp32, it is the master); gathered units are working set
+            measured["parameters"] += _size(unit.shard)
+        else:
+            measured["parameters"] += _size(unit.full) if full_alive else _size(unit.shard)
+        if not unit.master_is_shard:
             measured["fp32_master"] += _size(unit.master)
         measured["gradients"] += _size(unit.master.grad if unit.master is not None else None)
         if unit.grad_full is not None:
@@ -118,8 +121,8 @@ def _ours(engine: ZeroEngine, n: int, w: int, k: float) -> float:
     r = torch.tensor([], dtype=engine.reduce_dtype).element_size()
     master = 4 if p != 4 else 0
     per_rank = (master + 4 + k) * n / w  # fp32 master (if separate), fp32 gradient shard, optimizer state
-    if engine.config.shard_params:
-        return per_rank + p * n / w
+    if engine.config.shard_params:  # no 16-bit shard is kept: gathers cast the master
+        return per_rank + (p * n / w if p == 4 else 0)
     if engine.config.shard_grads:
         return per_rank + p * n
     return per_rank + (p + r) * n

@@ -86,7 +86,8 @@ def _current_value(engine: ZeroEngine, unit: FlatUnit, param: nn.Parameter) -> t
 def _set_unit_values(unit: FlatUnit, full: torch.Tensor) -> None:
     chunk = full[unit.shard_slice]
     unit.master.data.copy_(chunk)
-    unit.shard.copy_(chunk)
+    if unit.shard is not None:
+        unit.shard.copy_(chunk)
     if unit.full is not None and unit.state.value == "unsharded":
         unit.full.copy_(full)
 
