@@ -40,6 +40,7 @@ from .engine.materialize import RngState, has_meta
 from .engine.memory import MemoryReport, memory_report
 from .engine.state import full_model_state, full_optimizer_state, load_model_state, load_optimizer_state
 from .precision.plugin import ZeroPrecision
+from .summary import install_summary
 
 __all__ = ["ZeroStrategy"]
 
@@ -153,6 +154,8 @@ class ZeroStrategy(ParallelStrategy):
             self.engine = ZeroEngine(self.lightning_module, optimizers, self.config, self.comm, self.root_device,
                                      self.precision_plugin.compute_dtype, init_rng=self._init_rng)
             self.precision_plugin.attach(self.engine, self.root_device.type)
+            if self.config.shard_params:
+                install_summary(trainer)
         self.setup_precision_plugin()
 
     def model_to_device(self) -> None:
