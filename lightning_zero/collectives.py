@@ -12,11 +12,10 @@ averages are SUM followed by a division done by the caller.
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Optional
-
-import os
 
 import torch
 import torch.distributed as dist

@@ -46,6 +46,11 @@ def group_modules(root: nn.Module, class_names: tuple[str, ...], min_params: int
     """
     if class_names:
         chosen = [m for m in root.modules() if type(m).__name__ in class_names and m is not root]
+        for m in chosen:
+            if not _has_forward(m):
+                raise ValueError(f"wrap_modules names {type(m).__name__}, which has no forward() (a container such "
+                                 f"as ModuleList is iterated, never called), so its parameters would never be "
+                                 f"gathered. Name the classes of the modules inside it instead.")
     else:
         chosen = []
         _size_policy(root, min_params, chosen, root)
@@ -57,10 +62,15 @@ def _size_policy(module: nn.Module, min_params: int, chosen: list, root: nn.Modu
     free = sum(p.numel() for p in module.parameters(recurse=False))
     for child in module.children():
         free += _size_policy(child, min_params, chosen, root)
-    if module is not root and any(True for _ in module.children()) and free >= min_params:
+    if module is not root and any(True for _ in module.children()) and _has_forward(module) and free >= min_params:
         chosen.append(module)
         return 0
     return free
+
+
+def _has_forward(module: nn.Module) -> bool:
+    """Containers (ModuleList, ModuleDict) are never called: hooks on them would never fire."""
+    return type(module).forward is not nn.Module.forward and not isinstance(module, (nn.ModuleList, nn.ModuleDict))
 
 
 class Gatherer:
