@@ -9,41 +9,18 @@ Expected values are computed by brute force from every rank's (regenerable) inpu
 from __future__ import annotations
 
 import datetime
-import importlib
-import importlib.util
 import json
 import os
 import socket
-import sys
 import time
 import traceback
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
-def _load(module: str, relpath: str):
-    """Import ``module``; fall back to its file if the package ``__init__`` is not importable yet."""
-    try:
-        return importlib.import_module(module)
-    except Exception:  # noqa: BLE001 - a half-written package __init__ must not hide these tests
-        path = Path(__file__).resolve().parents[1] / relpath
-        name = "_lz_test_" + module.replace(".", "_")
-        if name in sys.modules:
-            return sys.modules[name]
-        spec = importlib.util.spec_from_file_location(name, path)
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod
-        spec.loader.exec_module(mod)
-        return mod
-
-
-_coll = _load("lightning_zero.collectives", "lightning_zero/collectives.py")
-Comm = _coll.Comm
-Handle = _coll.Handle
+from lightning_zero.collectives import Comm, Handle
 
 SPAWN_DEADLINE_S = 60.0
 

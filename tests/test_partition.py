@@ -7,32 +7,12 @@ verified element by element.
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import random
-import sys
-from pathlib import Path
 
 import pytest
 
+from lightning_zero import partition
 
-def _load(module: str, relpath: str):
-    """Import ``module``; fall back to its file if the package ``__init__`` is not importable yet."""
-    try:
-        return importlib.import_module(module)
-    except Exception:  # noqa: BLE001 - a half-written package __init__ must not hide these tests
-        path = Path(__file__).resolve().parents[1] / relpath
-        name = "_lz_test_" + module.replace(".", "_")
-        if name in sys.modules:
-            return sys.modules[name]
-        spec = importlib.util.spec_from_file_location(name, path)
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod
-        spec.loader.exec_module(mod)
-        return mod
-
-
-partition = _load("lightning_zero.partition", "lightning_zero/partition.py")
 layout_unit = partition.layout_unit
 plan_buckets = partition.plan_buckets
 
