@@ -148,7 +148,11 @@ def world2_cases(rank: int, world: int, d: str) -> dict:
            "ref": fit_steps(world, "zero2", TOTAL),
            "resumed": fit_steps(world, "zero2", TOTAL, ckpt_in=f"{d}/a.ckpt"),
            "zero1_resumed": fit_steps(world, "zero1", TOTAL, ckpt_in=f"{d}/a.ckpt"),
-           "last": modelcheckpoint_case(world, f"{d}/mc", 4, TOTAL)}
+           "last": modelcheckpoint_case(world, f"{d}/mc", 4, TOTAL),
+           # stage 3 writes the same world-size independent file: across stages both ways
+           "z3_a": fit_steps(world, "zero3", FIRST, save_to=f"{d}/z3.ckpt"),
+           "z3_from_z2": fit_steps(world, "zero3", TOTAL, ckpt_in=f"{d}/a.ckpt"),
+           "z2_from_z3": fit_steps(world, "zero2", TOTAL, ckpt_in=f"{d}/z3.ckpt")}
     fp16 = dict(plugin="16-mixed", options=dict(initial_scale_power=8, hysteresis=1), inject=(1,))
     out["fp16_a"] = fit_steps(world, "zero2", 4, save_to=f"{d}/fp16.ckpt", **fp16)
     out["fp16_ref"] = fit_steps(world, "zero2", 7, **fp16)
@@ -166,4 +170,5 @@ def world2_cases(rank: int, world: int, d: str) -> dict:
 def world4_cases(rank: int, world: int, d: str) -> dict:
     return {"ref": fit_steps(world, "zero2", TOTAL),
             "resumed": fit_steps(world, "zero2", TOTAL, ckpt_in=f"{d}/a.ckpt"),
-            "a4": fit_steps(world, "zero2", FIRST, save_to=f"{d}/a4.ckpt")}
+            "a4": fit_steps(world, "zero2", FIRST, save_to=f"{d}/a4.ckpt"),
+            "z3_from2": fit_steps(world, "zero3", TOTAL, ckpt_in=f"{d}/z3.ckpt")}

@@ -93,6 +93,14 @@ def test_resume_on_one_rank_zero1(world1):
     assert_resumed_like(world1["zero2_from2"], world1["ref"])
 
 
+def test_stage3_checkpoints_move_between_stages_and_world_sizes(world2, world4):
+    for r in world2:
+        assert_resumed_like(r["z3_from_z2"], r["ref"])  # zero2 file -> zero3
+        assert_resumed_like(r["z2_from_z3"], r["ref"])  # zero3 file -> zero2
+    for r in world4:
+        assert_resumed_like(r["z3_from2"], r["ref"])  # zero3 on 2 ranks -> zero3 on 4
+
+
 def test_resume_on_four_ranks(world4):
     for r in world4:
         assert_resumed_like(r["resumed"], r["ref"])  # written by 2 ranks, read by 4
