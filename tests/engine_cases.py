@@ -162,3 +162,14 @@ def count_traffic(rank: int, world: int, stage: int) -> dict:
     padded_bytes = sum(u.layout.padded_numel * 4 for u in engine.units)
     return {"moved": dict(comm.bytes_moved), "padded_bytes": padded_bytes,
             "params": numel}
+
+
+def launch_schedule(rank: int, world: int, overlap: bool) -> dict:
+    """Where the reduce-scatters of one backward were issued (8 buckets of one layer each)."""
+    torch.manual_seed(0)
+    model = Stack(dim=32, layers=8)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    engine = ZeroEngine(model, [optimizer], ZeroConfig(stage=2, reduce_bucket_size=1100, overlap_comm=overlap),
+                        Comm.from_group(), "cpu")
+    model(torch.randn(4, 32)).sum().backward()
+    return {"units": len(engine.units), **engine.reducer.launches}

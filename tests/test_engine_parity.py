@@ -52,3 +52,15 @@ def test_engine_matches_ddp_world4():
     for results in per_rank:
         assert_parity(results[1], results[0])
         assert_parity(results[2], results[0])
+
+
+@pytest.mark.slow
+def test_reduce_scatter_overlaps_backward():
+    from engine_cases import launch_schedule
+
+    on = run_ranks(launch_schedule, 2, True)[0]
+    off = run_ranks(launch_schedule, 2, False)[0]
+    assert on["units"] == off["units"] == 8
+    # overlapped: all but the last bucket (finished by the last hook or by the end callback) go out mid-backward
+    assert on["during_backward"] >= on["units"] - 1 and on["during_backward"] + on["after_backward"] == 8
+    assert off == {"units": 8, "during_backward": 0, "after_backward": 8}

@@ -58,6 +58,8 @@ class GradientReducer:
         self._next = 0  # next unit index to launch in this backward
         self._in_backward = False
         self.finished_count = 0  # backward passes finished; lets a caller detect "no hook fired"
+        # where reduce-scatters were issued: while backward still ran (overlapped) or once it ended
+        self.launches = {"during_backward": 0, "after_backward": 0}
         self._hooks: list = []
         self._slot_of: dict[int, tuple[FlatUnit, int]] = {}
         for unit in units:
@@ -96,18 +98,19 @@ class GradientReducer:
         param.grad = None
         unit.pending -= 1
         if self.overlap and self.reduces_now:
-            self._launch_ready()
+            self._launch_ready(during_backward=True)
 
-    def _launch_ready(self) -> None:
+    def _launch_ready(self, during_backward: bool) -> None:
         while self._next < len(self.units) and self.units[self._next].pending <= 0:
-            self._launch(self.units[self._next])
+            self._launch(self.units[self._next], during_backward)
             self._next += 1
 
     # ---- collectives ------------------------------------------------------------------
-    def _launch(self, unit: FlatUnit) -> None:
+    def _launch(self, unit: FlatUnit, during_backward: bool = False) -> None:
         unit.launched = True
         if not unit.trainable:
             return
+        self.launches["during_backward" if during_backward else "after_backward"] += 1
         if unit.grad_full is None:
             unit.grad_full = unit.new_grad_buffer()
         for slot_index, slot in enumerate(unit.layout.slots):
