@@ -6,9 +6,13 @@ parameter names and state-dict keys stay exactly as the user wrote them.
 
 from __future__ import annotations
 
+import weakref
+
 from torch import nn
 
 __all__ = ["apply_activation_checkpointing"]
+
+_done: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # a second fit must not checkpoint twice
 
 
 def apply_activation_checkpointing(root: nn.Module, class_names: tuple[str, ...]) -> int:
@@ -23,5 +27,7 @@ def apply_activation_checkpointing(root: nn.Module, class_names: tuple[str, ...]
         raise ValueError(f"activation_checkpointing={list(class_names)} matches no module of the model; "
                          f"its module classes are: {', '.join(found)}.")
     for module in chosen:
-        checkpoint(module)
+        if module not in _done:
+            checkpoint(module)
+            _done.add(module)
     return len(chosen)

@@ -62,9 +62,7 @@ class ZeroEngine:
         self.reduce_dtype = dtype_of(config.reduce_dtype, compute_dtype)
         for optimizer in self.optimizers:
             check_optimizer(optimizer, config.allow_untested_optimizer)
-        if not getattr(module, "_lightning_zero_checkpointed", False):  # once per module, across fits
-            apply_activation_checkpointing(module, config.activation_checkpointing)
-            module._lightning_zero_checkpointed = bool(config.activation_checkpointing)
+        apply_activation_checkpointing(module, config.activation_checkpointing)
         self.names = {id(p): n for n, p in module.named_parameters()}
         self._position = {id(p): i for i, (_, p) in enumerate(module.named_parameters())}
         self.units: list[FlatUnit] = []

@@ -70,7 +70,6 @@ class FlatUnit:
     grad_written: set = field(default_factory=set)  # slot indices holding a gradient this window
     pending: int = 0  # trainable parameters whose gradient has not arrived this backward
     pins: int = 0  # stage 3: running scopes (forward of a group module, a pinned step) using the unit
-    launched: bool = False
 
     @property
     def accepts_grads(self) -> bool:
@@ -94,14 +93,6 @@ class FlatUnit:
         return [flat[s.offset:s.end].view(shape) for s, shape in zip(self.layout.slots, self.shapes)]
 
     # ---- construction -------------------------------------------------------------
-    def build(self, values: list[torch.Tensor], device: torch.device, keep_full: bool) -> None:
-        """Flatten ``values`` (the parameters' current fp32 data) into the unit's buffers."""
-        self.shapes = [v.shape for v in values]
-        staging = torch.zeros(self.layout.padded_numel, dtype=torch.float32, device=device)
-        for slot, value in zip(self.layout.slots, values):
-            staging[slot.offset:slot.end].copy_(value.reshape(-1))
-        self.build_from_flat(staging, keep_full)
-
     def build_from_flat(self, staging: torch.Tensor, keep_full: bool) -> None:
         """Take an fp32 full-size flat tensor (identical on all ranks) as the unit's values."""
         chunk = staging[self.shard_slice]

@@ -140,11 +140,6 @@ class Gatherer:
         unit.empty_params()
         unit.full = None
 
-    def unshard_all(self) -> None:
-        for units in self.needs.values():
-            for unit in units:
-                self.unshard(unit)
-
     def drop_prefetches(self) -> None:
         """Complete and discard all-gathers nobody consumed (the shards may change next)."""
         for unit, handle in self._pending.values():

@@ -83,7 +83,6 @@ class GradientReducer:
         self._next = 0
         for unit in self.units:
             unit.pending = len(unit.trainable)
-            unit.launched = False
         torch.autograd.Variable._execution_engine.queue_callback(self.finish_backward)
 
     @torch.no_grad()
@@ -107,7 +106,6 @@ class GradientReducer:
 
     # ---- collectives ------------------------------------------------------------------
     def _launch(self, unit: FlatUnit, during_backward: bool = False) -> None:
-        unit.launched = True
         if not unit.trainable:
             return
         self.launches["during_backward" if during_backward else "after_backward"] += 1
