@@ -52,6 +52,8 @@ class ZeroConfig:
             activation checkpointing (recomputation re-gathers stage-3 groups).
         collective_timeout_s: seconds a rank waits in a collective before it fails with an
             error (instead of hanging when ranks disagree, e.g. uneven evaluation batches).
+        broadcast_buffers: before each training forward that synchronizes gradients, every rank
+            takes rank 0's buffers (BatchNorm statistics), exactly as DDP does by default.
     """
 
     stage: int = 2
@@ -70,6 +72,7 @@ class ZeroConfig:
     param_persistence_threshold: int = 100_000
     activation_checkpointing: tuple[str, ...] = ()
     collective_timeout_s: float = 1800.0
+    broadcast_buffers: bool = True
 
     def __post_init__(self) -> None:
         for name in ("wrap_modules", "activation_checkpointing"):

@@ -78,6 +78,7 @@ class ZeroStrategy(ParallelStrategy):
         self._init_rng: Optional[RngState] = None
         self._released: Optional[ZeroEngine] = None  # the last fit's engine, for saving after fit returns
         self._backward_mark = 0
+        self._sync_buffers_next = True
 
     # ---- what Lightning asks of a parallel strategy ---------------------------------------
     @property
@@ -206,6 +207,12 @@ class ZeroStrategy(ParallelStrategy):
             yield
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        engine = self.engine
+        # DDP's rule: rank 0's buffers are broadcast before the forward that follows a forward
+        # which synchronized gradients (so at the first micro-batch of each accumulation window).
+        if engine is not None and self.config.broadcast_buffers and self._sync_buffers_next:
+            engine.broadcast_buffers()
+        self._sync_buffers_next = torch.is_grad_enabled() and (engine is None or engine.reducer.sync)
         with self._root_gathered():
             return super().training_step(*args, **kwargs)
 

@@ -122,6 +122,24 @@ class TinyGAN(pl.LightningModule):
                                                                                    momentum=0.9)]
 
 
+class BNNet(pl.LightningModule):
+    """BatchNorm: buffers that every rank updates from its own batch (DDP broadcasts rank 0's)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 1))
+        self.losses: list[float] = []
+
+    def training_step(self, batch, batch_idx):
+        (x,) = batch
+        loss = nn.functional.mse_loss(self.net(x).squeeze(-1), x.sum(-1))
+        self.losses.append(float(loss.detach()))
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.02, momentum=0.9)
+
+
 def gan_data() -> DataLoader:
     g = torch.Generator().manual_seed(3)
     return DataLoader(TensorDataset(torch.randn(48, 8, generator=g) + 2.0), batch_size=4)
@@ -140,10 +158,11 @@ def fit_case(rank: int, world: int, module_name: str, strategy: str, precision: 
     """Fit one module under one strategy; returns losses, final full state dict and extras."""
     assert lightning_zero  # registers the names
     pl.seed_everything(0, verbose=False)
-    module = {"lm": TinyLM, "blocks": BlockLM, "gan": TinyGAN}[module_name]()
+    module = {"lm": TinyLM, "blocks": BlockLM, "gan": TinyGAN, "bn": BNNet}[module_name]()
     if inject:
         module.inject_inf_at = set(inject)
-    data = gan_data() if module_name == "gan" else lm_data()
+    lm = module_name in ("lm", "blocks")
+    data = lm_data() if lm else gan_data()
     plugins = [ZeroPrecision(plugin)] if plugin else None
     trainer = pl.Trainer(accelerator=accelerator, devices=world, strategy=make_strategy(strategy, **(options or {})),
                          precision=None if plugin else precision, plugins=plugins, max_epochs=epochs,
@@ -151,11 +170,11 @@ def fit_case(rank: int, world: int, module_name: str, strategy: str, precision: 
                          gradient_clip_algorithm=clip_algo if clip_val else None, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          num_sanity_val_steps=0, use_distributed_sampler=True, callbacks=[probe := MemoryProbe()])
-    trainer.fit(module, data, None if module_name == "gan" else lm_data(16))
+    trainer.fit(module, data, lm_data(16) if lm else None)
     out = {"losses": module.losses, "global_step": trainer.global_step, "memory": probe.reports,
            "state": {k: v.detach().float().cpu().clone() for k, v in module.state_dict().items()},
            "dtype": str(next(module.parameters()).dtype)}
-    if module_name != "gan":
+    if lm:
         out["trace"] = torch.stack(module.param_trace)
         out["val"] = {k: float(v) for k, v in trainer.validate(module, lm_data(16), verbose=False)[0].items()}
         preds = trainer.predict(module, lm_data(8))

@@ -22,6 +22,9 @@ CASES = {
     "ddp_bf16": (("lm", "ddp"), dict(LM, precision="bf16-mixed")),
     "zero1_bf16": (("lm", "zero1"), dict(LM, precision="bf16-mixed")),
     "zero2_bf16": (("lm", "zero2"), dict(LM, precision="bf16-mixed", options=dict(reduce_dtype="fp32"))),
+    "bn_ddp": (("bn", "ddp"), dict(accumulate=2)),
+    "bn_zero2": (("bn", "zero2"), dict(accumulate=2)),
+    "bn_zero3": (("bn", "zero3"), dict(accumulate=2, options=dict(min_group_params=10, param_persistence_threshold=0))),
     "fp16_inject": (("lm", "zero2"), dict(plugin="16-mixed", inject=(2, 3), options=dict(initial_scale_power=8))),
 }
 
@@ -38,7 +41,8 @@ def world2():
 @pytest.mark.slow
 @pytest.mark.parametrize("run,ref", [("zero1", "ddp"), ("zero2", "ddp"), ("zero2_nooverlap", "ddp"),
                                      ("zero1_value", "ddp_value"), ("zero2_value", "ddp_value"),
-                                     ("gan_zero1", "gan_ddp"), ("gan_zero2", "gan_ddp")])
+                                     ("gan_zero1", "gan_ddp"), ("gan_zero2", "gan_ddp"),
+                                     ("bn_zero2", "bn_ddp"), ("bn_zero3", "bn_ddp")])
 def test_fp32_parity_with_ddp(world2, run, ref):
     for results in world2:
         assert_parity(results[run], results[ref])

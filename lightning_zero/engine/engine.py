@@ -194,6 +194,20 @@ class ZeroEngine:
         return unit
 
     @torch.no_grad()
+    def broadcast_buffers(self) -> None:
+        """Rank 0's buffers on every rank (DDP's ``broadcast_buffers``), one flat collective per dtype."""
+        if self.comm.world_size == 1:
+            return
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for b in self.module.buffers():
+            by_dtype.setdefault(b.dtype, []).append(b)
+        for buffers in by_dtype.values():
+            flat = torch.cat([b.reshape(-1) for b in buffers])
+            self.comm.broadcast(flat, src=0)
+            torch._foreach_copy_(buffers, [v.view_as(b) for v, b in zip(flat.split([b.numel() for b in buffers]),
+                                                                          buffers)])
+
+    @torch.no_grad()
     def _prepare_buffers(self) -> None:
         """Buffers keep their dtype (BatchNorm statistics stay fp32) and take rank 0's values."""
         for _, b in self.module.named_buffers():
