@@ -158,7 +158,7 @@ def fit_case(rank: int, world: int, module_name: str, strategy: str, precision: 
     """Fit one module under one strategy; returns losses, final full state dict and extras."""
     assert lightning_zero  # registers the names
     pl.seed_everything(0, verbose=False)
-    module = {"lm": TinyLM, "blocks": BlockLM, "gan": TinyGAN, "bn": BNNet}[module_name]()
+    module = {"lm": TinyLM, "blocks": BlockLM, "gan": TinyGAN, "bn": BNNet, "encode": EncodeOnly}[module_name]()
     if inject:
         module.inject_inf_at = set(inject)
     lm = module_name in ("lm", "blocks")
@@ -296,3 +296,37 @@ def uneven_eval_case(rank: int, world: int) -> dict:
                          strategy=ZeroStrategy(stage=3, wrap_modules=("Block",), collective_timeout_s=6.0))
     trainer.validate(module, val, verbose=False)
     return {}
+
+
+class Coder(nn.Module):
+    def __init__(self, dim: int = 16) -> None:
+        super().__init__()
+        self.enc = nn.Linear(dim, dim)
+        self.dec = nn.Linear(dim, dim)
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.enc(x))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dec(self.encode(x))
+
+
+class EncodeOnly(pl.LightningModule):
+    """training_step calls a group's method, not its forward (``self.coder.encode``), then its forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.coder = Coder()
+        self.head = nn.Linear(16, 1)
+        self.losses: list[float] = []
+
+    def training_step(self, batch, batch_idx):
+        (x,) = batch
+        x = torch.cat([x, x], dim=-1)
+        z = self.coder.encode(x)
+        loss = self.head(z).square().mean() + self.coder(x).square().mean()
+        self.losses.append(float(loss.detach()))
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)

@@ -57,6 +57,9 @@ LIGHTNING = {
     # blocks too small to be groups, their ModuleList big enough: a container is never a group
     "zero3_size_list": (("blocks", "zero3"), dict(LM, options=dict(min_group_params=5000,
                                                                    param_persistence_threshold=0))),
+    "encode_ddp": (("encode", "ddp"), dict(accumulate=2)),
+    "encode_zero3": (("encode", "zero3"), dict(accumulate=2, options=dict(wrap_modules=("Coder",),
+                                                                          param_persistence_threshold=0))),
     "gan_ddp": (("gan", "ddp_find_unused_parameters_true"), {}),
     "gan_zero3": (("gan", "zero3"), dict(options=dict(min_group_params=10, param_persistence_threshold=0))),
     "ddp_bf16": (("blocks", "ddp"), dict(LM, precision="bf16-mixed")),
@@ -76,7 +79,7 @@ def lightning2():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("run,ref", [("zero3", "ddp"), ("zero3_ckpt", "ddp"), ("zero3_size", "ddp"),
-                                     ("zero3_size_list", "ddp"),
+                                     ("zero3_size_list", "ddp"), ("encode_zero3", "encode_ddp"),
                                      ("gan_zero3", "gan_ddp")])
 def test_lightning_stage3_matches_ddp(lightning2, run, ref):
     for results in lightning2:

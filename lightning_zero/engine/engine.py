@@ -25,7 +25,7 @@ from ..config import DTYPE_NAMES, ZeroConfig
 from ..partition import layout_unit, plan_buckets
 from .activation import apply_activation_checkpointing
 from .flat_unit import FlatUnit, UnitState
-from .gather import Gatherer, build_needs, group_modules, owner_of
+from .gather import Gatherer, build_needs, group_modules, members_of, owner_of
 from .grads import GradientReducer
 from .materialize import RngState, has_meta, materialize_module
 from .optim import check_optimizer, point_at_masters
@@ -87,7 +87,7 @@ class ZeroEngine:
             unit_of = {id(p): u for u in self.units for p in u.params}
             small = {u.index for u in self.units if u.layout.numel < config.param_persistence_threshold}
             self.gatherer = Gatherer(build_needs(module, self.group_modules, unit_of), module, comm,
-                                     config.prefetch, small)
+                                     config.prefetch, small, members_of(module, self.group_modules))
             for unit in self.units:
                 if unit.index in small:
                     self.gatherer.unshard(unit)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -33,7 +33,7 @@ from torch.utils._pytree import tree_flatten
 from ..collectives import Comm, Handle
 from .flat_unit import FlatUnit, UnitState
 
-__all__ = ["Gatherer", "group_modules", "build_needs", "owner_of"]
+__all__ = ["Gatherer", "group_modules", "build_needs", "owner_of", "members_of"]
 
 
 def group_modules(root: nn.Module, class_names: tuple[str, ...], min_params: int) -> list[nn.Module]:
@@ -85,7 +85,7 @@ class Gatherer:
     """
 
     def __init__(self, needs: dict[nn.Module, list[FlatUnit]], root: nn.Module, comm: Comm, prefetch: int,
-                 persistent: set[int]) -> None:
+                 persistent: set[int], members: Optional[dict[nn.Module, nn.Module]] = None) -> None:
         self.needs = needs
         self.root = root
         self.comm = comm
@@ -101,6 +101,14 @@ class Gatherer:
         for module in needs:
             self._hooks.append(module.register_forward_pre_hook(self._pre_forward))
             self._hooks.append(module.register_forward_hook(self._post_forward))
+        # A member run without its group's forward (``self.vae.encode(x)`` calling layers of a
+        # group directly) still finds its parameters: its group is gathered and stays so until
+        # backward ends (training) or the step ends (evaluation).
+        self._group_of = members or {}
+        self._active: dict[int, int] = {}  # id(group module) -> forwards of it running now
+        self._loose: list[FlatUnit] = []  # units gathered by a member outside its group's forward
+        for member in self._group_of:
+            self._hooks.append(member.register_forward_pre_hook(self._pre_forward_member))
 
     def remove_hooks(self) -> None:
         for h in self._hooks:
@@ -163,14 +171,26 @@ class Gatherer:
         if not self._order_frozen and not in_backward and id(module) not in self._position:
             self._position[id(module)] = len(self.order)
             self.order.append(module)
+        self._active[id(module)] = self._active.get(id(module), 0) + 1
         for unit in self.needs[module]:
             unit.pins += 1
             self.unshard(unit)
         if not in_backward:
             self._prefetch_from(module, +1)
 
+    def _pre_forward_member(self, module: nn.Module, args: Any) -> None:
+        group = self._group_of[module]
+        if self._active.get(id(group), 0) or torch._C._current_graph_task_id() != -1:
+            return  # the usual path: inside its group's forward (or a recomputation in backward)
+        for unit in self.needs[group]:
+            if unit not in self._loose:
+                unit.pins += 1  # held until backward (or the evaluation step) ends
+                self._loose.append(unit)
+            self.unshard(unit)
+
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         in_backward = torch._C._current_graph_task_id() != -1
+        self._active[id(module)] -= 1
         for unit in self.needs[module]:
             unit.pins -= 1
         if in_backward:
@@ -195,6 +215,9 @@ class Gatherer:
             self.reshard(unit)
 
     def end_of_backward(self) -> None:
+        for unit in self._loose:
+            unit.pins -= 1
+        self._loose.clear()
         self.drop_prefetches()
         for units in self.needs.values():
             for unit in units:
@@ -213,8 +236,20 @@ class Gatherer:
             for unit in units:
                 unit.pins -= 1
             if not torch.is_grad_enabled():  # training: backward frees them when it ends
-                for unit in units:
-                    self.reshard(unit)
+                self.end_of_backward()
+
+
+def members_of(module: nn.Module, groups: list[nn.Module]) -> dict[nn.Module, nn.Module]:
+    """Each module that owns parameters directly, except group modules -> its nearest group module."""
+    prefix_of = {id(m): name for name, m in module.named_modules()}
+    group_names = sorted(((prefix_of[id(g)], g) for g in groups), key=lambda t: -len(t[0]))
+    group_ids = {id(g) for g in groups}
+    out: dict[nn.Module, nn.Module] = {}
+    for name, m in module.named_modules():
+        if id(m) in group_ids or not any(True for _ in m.parameters(recurse=False)):
+            continue
+        out[m] = next(g for prefix, g in group_names if prefix == "" or name == prefix or name.startswith(prefix + "."))
+    return out
 
 
 def build_needs(module: nn.Module, groups: list[nn.Module], unit_of: dict[int, FlatUnit]) -> dict[nn.Module,
