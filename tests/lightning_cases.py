@@ -330,3 +330,31 @@ class EncodeOnly(pl.LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+class PlainBlockLM(BlockLM):
+    """BlockLM without a torchmetrics metric (metric states cannot be rebuilt after meta init)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        del self.val_acc
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", self._loss(batch), sync_dist=True)
+
+
+def init_module_case(rank: int, world: int, with_metric: bool = False) -> dict:
+    """``trainer.init_module()`` under zero3: meta parameters, then validate, fit and validate again."""
+    pl.seed_everything(0, verbose=False)
+    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=ZeroStrategy(stage=3, wrap_modules=("Block",)),
+                         max_steps=4, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False)
+    with trainer.init_module():
+        module = BlockLM() if with_metric else PlainBlockLM()
+    on_meta = all(p.is_meta for p in module.parameters())
+    before = trainer.validate(module, lm_data(16), verbose=False)[0]["val_loss"]
+    trainer.fit(module, lm_data())
+    after = trainer.validate(module, lm_data(16), verbose=False)[0]["val_loss"]
+    shapes = {k: tuple(v.shape) for k, v in module.state_dict().items()}
+    return {"on_meta": on_meta, "before": before, "after": after, "losses": module.losses, "shapes": shapes,
+            "reference_shapes": {k: tuple(v.shape) for k, v in PlainBlockLM().state_dict().items()}}

@@ -6,7 +6,7 @@ import pytest
 import torch
 from dist_utils import run_ranks
 from engine_cases import count_traffic, run_cases
-from lightning_cases import fit_case, meta_init_case, uneven_eval_case
+from lightning_cases import fit_case, init_module_case, meta_init_case, uneven_eval_case
 from parity import assert_parity, global_l2_err, state_err
 
 LINEAR = dict(wrap_modules=("Linear",), param_persistence_threshold=0)
@@ -125,3 +125,18 @@ def test_meta_init_is_sharded_and_equals_normal_init():
 def test_uneven_eval_batches_fail_clearly_instead_of_hanging():
     with pytest.raises(RuntimeError, match="different numbers of val batches"):
         run_ranks(uneven_eval_case, 2, lightning=True, timeout=120)
+
+
+@pytest.mark.slow
+def test_init_module_builds_on_meta_then_validates_and_fits():
+    for r in run_ranks(init_module_case, 2, lightning=True):
+        assert r["on_meta"]  # nothing was allocated at construction
+        assert r["shapes"] == r["reference_shapes"]  # handed back with every parameter at full size
+        assert all(torch.isfinite(torch.tensor(r["losses"])))
+        assert r["after"] < r["before"]  # validate (eval-only engine) -> fit -> validate
+
+
+@pytest.mark.slow
+def test_init_module_with_a_metric_made_on_meta_is_a_clear_error():
+    with pytest.raises(RuntimeError, match="torchmetrics metrics"):
+        run_ranks(init_module_case, 2, True, lightning=True, timeout=120)

@@ -27,7 +27,7 @@ from .activation import apply_activation_checkpointing
 from .flat_unit import FlatUnit, UnitState
 from .gather import Gatherer, build_needs, group_modules, members_of, owner_of
 from .grads import GradientReducer
-from .materialize import RngState, has_meta, materialize_module
+from .materialize import RngState, check_no_meta_left, has_meta, materialize_module
 from .optim import check_optimizer, point_at_masters
 
 __all__ = ["ZeroEngine", "dtype_of"]
@@ -179,6 +179,7 @@ class ZeroEngine:
                     self.units.append(self._build_unit(key, current))
         finally:
             saved.restore()
+        check_no_meta_left(self.module)
 
     def _build_unit(self, key: tuple[int, int], params: list[nn.Parameter]) -> FlatUnit:
         unit = FlatUnit(index=-1, params=params, names=[self.names[id(p)] for p in params],

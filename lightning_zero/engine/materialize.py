@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["has_meta", "materialize_module", "RngState"]
+__all__ = ["has_meta", "materialize_module", "RngState", "check_no_meta_left"]
 
 
 class RngState:
@@ -75,3 +75,18 @@ def materialize_module(name: str, module: nn.Module, device: torch.device, remap
         if old is not None and new is not old:
             remap[id(old)] = new
 
+
+
+def check_no_meta_left(root: nn.Module) -> None:
+    """Tensors kept outside parameters and buffers (torchmetrics states, cached masks) have no
+    ``reset_parameters`` to rebuild them: if they were made on the meta device, say so."""
+    for name, module in root.named_modules():
+        for attr, value in vars(module).items():
+            values = value.values() if attr == "_defaults" and isinstance(value, dict) else [value]
+            if any(isinstance(v, torch.Tensor) and v.is_meta for v in values):
+                raise RuntimeError(
+                    f"'{name or 'model'}' ({type(module).__name__}) holds the tensor '{attr}' on the meta device: it "
+                    f"is neither a parameter nor a buffer, so it cannot be rebuilt after meta-device construction "
+                    f"(stage 3 builds under trainer.init_module() and in configure_model on the meta device). Create "
+                    f"such objects (torchmetrics metrics, precomputed tensors) in __init__ outside "
+                    f"trainer.init_module(), or register them as buffers of a module with reset_parameters().")
