@@ -294,10 +294,15 @@ class ZeroStrategy(ParallelStrategy):
         return memory_report(engine)
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """Full state dict (fp32 master values, same keys as ``module.state_dict()``), on every rank."""
+        """Full state dict (fp32 master values, same keys as ``module.state_dict()``).
+
+        Call it on every rank (it gathers). Stages 1/2 return it on every rank; stage 3 on rank 0
+        only (other ranks get ``{}``), so that a model too big for one rank is not copied into
+        every rank's host memory.
+        """
         if self.engine is None or not self.engine.units:
             return super().lightning_module_state_dict()
-        return full_model_state(self.engine)
+        return full_model_state(self.engine, keep=self.is_global_zero or not self.config.shard_params)
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         if self.engine is None or not self.engine.units:
@@ -308,7 +313,8 @@ class ZeroStrategy(ParallelStrategy):
         engine = self.engine or self._released
         if engine is None:
             return super().optimizer_state(optimizer)
-        return full_optimizer_state(engine, optimizer)
+        # as Lightning does for sharded optimizers: consolidated on rank 0, the rank that saves
+        return full_optimizer_state(engine, optimizer, keep=self.is_global_zero)
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         assert self.engine is not None

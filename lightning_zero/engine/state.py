@@ -31,19 +31,25 @@ def _keys_of(module: nn.Module) -> dict[int, list[str]]:
 
 
 @torch.no_grad()
-def full_model_state(engine: ZeroEngine) -> dict[str, torch.Tensor]:
-    """The module's ``state_dict()`` with every managed parameter as its fp32 master value (on CPU)."""
+def full_model_state(engine: ZeroEngine, keep: bool = True) -> dict[str, torch.Tensor]:
+    """The module's ``state_dict()`` with every managed parameter as its fp32 master value (on CPU).
+
+    Every rank takes part in the gathers; only ranks with ``keep`` hold the result in host memory
+    (the others return an empty dict), so a large model is not copied into every rank's RAM.
+    """
     module = engine.module
     keys = _keys_of(module)
     managed = {id(p) for u in engine.units for p in u.params}
     state = {k: v.detach().cpu() if not isinstance(v, torch.Tensor) or id(v) not in managed else None
              for k, v in module.state_dict(keep_vars=True).items()}
     for unit, full in engine.gather_masters():
+        if not keep:
+            continue
         for param, view in zip(unit.params, unit.views(full)):
             value = view.cpu().clone()
             for key in keys[id(param)]:
                 state[key] = value
-    return {k: v for k, v in state.items() if v is not None}
+    return {k: v for k, v in state.items() if v is not None} if keep else {}
 
 
 @torch.no_grad()
@@ -93,8 +99,11 @@ def _set_unit_values(unit: FlatUnit, full: torch.Tensor) -> None:
 
 
 @torch.no_grad()
-def full_optimizer_state(engine: ZeroEngine, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """The optimizer's state per original parameter name, plus its param-group hyper-parameters."""
+def full_optimizer_state(engine: ZeroEngine, optimizer: torch.optim.Optimizer, keep: bool = True) -> dict[str, Any]:
+    """The optimizer's state per original parameter name, plus its param-group hyper-parameters.
+
+    As for :func:`full_model_state`, ranks without ``keep`` join the gathers and return ``{}``.
+    """
     optimizer = _unwrap(optimizer)
     units = engine.units_for(optimizer)
     per_param: dict[str, dict[str, Any]] = {}
@@ -106,6 +115,8 @@ def full_optimizer_state(engine: ZeroEngine, optimizer: torch.optim.Optimizer) -
                 full = torch.empty(unit.layout.padded_numel, dtype=value.dtype, device=value.device)
                 engine.comm.all_gather(full, value.contiguous())
                 elementwise.add(key)
+                if not keep:
+                    continue
                 for name, view in zip(unit.names, unit.views(full)):
                     per_param.setdefault(name, {})[key] = view.cpu().clone()
             else:  # scalars such as Adam's step are the same on every rank
@@ -117,6 +128,8 @@ def full_optimizer_state(engine: ZeroEngine, optimizer: torch.optim.Optimizer) -
     for g, group in enumerate(optimizer.param_groups):
         names = engine.group_names.get((k, g), [])
         groups.append({**{key: v for key, v in group.items() if key != "params"}, "params": names})
+    if not keep:
+        return {}
     return {"format": FORMAT, "state": per_param, "param_groups": groups, "elementwise": sorted(elementwise)}
 
 
