@@ -66,6 +66,7 @@ class ZeroEngine:
         self.names = {id(p): n for n, p in module.named_parameters()}
         self._position = {id(p): i for i, (_, p) in enumerate(module.named_parameters())}
         self.units: list[FlatUnit] = []
+        self.grad_bytes_at_step: dict[int, int] = {}  # id(optimizer) -> fp32 gradient-shard bytes it stepped
         self.units_of: dict[int, list[FlatUnit]] = {}  # id(optimizer) -> its units
         self.group_modules = (group_modules(module, config.wrap_modules, config.min_group_params)
                               if config.shard_params else [])
@@ -274,7 +275,10 @@ class ZeroEngine:
         The step consumes the gradients (as in DeepSpeed): freeing the fp32 gradient shards here
         keeps them out of the next forward's peak memory, where Lightning's zero_grad comes too late.
         """
+        optimizer = _unwrap(optimizer)
         units = self.units_for(optimizer)
+        self.grad_bytes_at_step[id(optimizer)] = sum(
+            u.master.grad.numel() * u.master.grad.element_size() for u in units if u.master.grad is not None)
         handles = []
         for unit in units:
             unit.master.grad = None

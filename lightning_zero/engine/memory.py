@@ -104,6 +104,10 @@ def memory_report(engine: ZeroEngine) -> MemoryReport:
             for value in optimizer.state.get(unit.master, {}).values():
                 if isinstance(value, torch.Tensor):
                     measured["optimizer_state"] += _size(value)
+    # Gradient shards live from backward to the step, which frees them: between steps, report
+    # what the last step held (the report is about model state, not about the moment it is read).
+    if not any(u.master is not None and u.master.grad is not None for u in engine.units):
+        measured["gradients"] += sum(engine.grad_bytes_at_step.values())
     shard_elems = sum(u.layout.shard_numel for u in engine.units) or 1
     state_bytes_per_elem = measured["optimizer_state"] / shard_elems
     return MemoryReport(rank=engine.comm.rank, world_size=w, stage=stage, num_params=n, measured=measured,
