@@ -142,3 +142,15 @@ def test_init_module_builds_on_meta_then_validates_and_fits():
 def test_init_module_with_a_metric_made_on_meta_is_a_clear_error():
     with pytest.raises(RuntimeError, match="torchmetrics metrics"):
         run_ranks(init_module_case, 2, True, lightning=True, timeout=120)
+
+
+def test_wrap_modules_that_match_nothing_is_a_clear_error():
+    from engine_cases import Stack
+
+    from lightning_zero import ZeroConfig, ZeroEngine
+    from lightning_zero.collectives import Comm
+
+    with pytest.raises(ValueError, match=r"\['Blok'\].*Linear"):
+        ZeroEngine(Stack(), [], ZeroConfig(stage=3, wrap_modules=("Blok",)), Comm(), "cpu")
+    with pytest.raises(ValueError, match="no forward"):
+        ZeroEngine(Stack(), [], ZeroConfig(stage=3, wrap_modules=("ModuleList",)), Comm(), "cpu")

@@ -46,6 +46,11 @@ def group_modules(root: nn.Module, class_names: tuple[str, ...], min_params: int
     """
     if class_names:
         chosen = [m for m in root.modules() if type(m).__name__ in class_names and m is not root]
+        missing = set(class_names) - {type(m).__name__ for m in chosen}
+        if missing:
+            found = sorted({type(m).__name__ for m in root.modules()})
+            raise ValueError(f"wrap_modules names {sorted(missing)}, which match no module of the model; its module "
+                             f"classes are: {', '.join(found)}.")
         for m in chosen:
             if not _has_forward(m):
                 raise ValueError(f"wrap_modules names {type(m).__name__}, which has no forward() (a container such "
