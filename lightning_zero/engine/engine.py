@@ -25,7 +25,7 @@ from ..config import DTYPE_NAMES, ZeroConfig
 from ..partition import layout_unit, plan_buckets
 from .activation import apply_activation_checkpointing
 from .flat_unit import FlatUnit, UnitState
-from .gather import Gatherer, build_needs, group_modules, members_of, owner_of
+from .gather import Gatherer, build_needs, group_lookup, group_modules, members_of, owner_of
 from .grads import GradientReducer
 from .materialize import RngState, check_no_meta_left, has_meta, materialize_module
 from .optim import check_optimizer, point_at_masters
@@ -157,12 +157,8 @@ class ZeroEngine:
     def _materialize_and_build(self, plans: list[tuple], init_rng: Optional[RngState]) -> None:
         """Meta model: materialize module by module; shard each group as soon as it is complete."""
         modules = list(self.module.named_modules())
-        groups = self.group_modules if self.config.shard_params else [self.module]
-        prefixes = sorted(((n, m) for n, m in modules if any(m is g for g in groups)), key=lambda t: -len(t[0]))
-        last = {}
-        for i, (name, _) in enumerate(modules):
-            home = next(m for p, m in prefixes if p == "" or name == p or name.startswith(p + "."))
-            last[id(home)] = i
+        home = group_lookup(self.module, self.group_modules if self.config.shard_params else [self.module])
+        last = {id(home(name)): i for i, (name, _) in enumerate(modules)}  # where each group's modules end
         done_at: dict[int, list] = {}
         for key, params, group in plans:
             done_at.setdefault(last[id(group if group is not None else self.module)], []).append((key, params))

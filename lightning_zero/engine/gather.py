@@ -33,7 +33,7 @@ from torch.utils._pytree import tree_flatten
 from ..collectives import Comm, Handle
 from .flat_unit import FlatUnit, UnitState
 
-__all__ = ["Gatherer", "group_modules", "build_needs", "owner_of", "members_of"]
+__all__ = ["Gatherer", "group_modules", "group_lookup", "build_needs", "owner_of", "members_of"]
 
 
 def group_modules(root: nn.Module, class_names: tuple[str, ...], min_params: int) -> list[nn.Module]:
@@ -244,38 +244,37 @@ class Gatherer:
                 self.end_of_backward()
 
 
+def group_lookup(module: nn.Module, groups: list[nn.Module]):
+    """A function: qualified name (of a parameter or a module) -> the nearest group module above it."""
+    prefix_of = {id(m): name for name, m in module.named_modules()}  # a shared module: its first name
+    ordered = sorted(((prefix_of[id(g)], g) for g in groups), key=lambda t: -len(t[0]))
+
+    def home(name: str) -> nn.Module:
+        return next(g for prefix, g in ordered if prefix == "" or name == prefix or name.startswith(prefix + "."))
+
+    return home
+
+
 def members_of(module: nn.Module, groups: list[nn.Module]) -> dict[nn.Module, nn.Module]:
     """Each module that owns parameters directly, except group modules -> its nearest group module."""
-    prefix_of = {id(m): name for name, m in module.named_modules()}
-    group_names = sorted(((prefix_of[id(g)], g) for g in groups), key=lambda t: -len(t[0]))
-    group_ids = {id(g) for g in groups}
-    out: dict[nn.Module, nn.Module] = {}
-    for name, m in module.named_modules():
-        if id(m) in group_ids or not any(True for _ in m.parameters(recurse=False)):
-            continue
-        out[m] = next(g for prefix, g in group_names if prefix == "" or name == prefix or name.startswith(prefix + "."))
-    return out
+    home, group_ids = group_lookup(module, groups), {id(g) for g in groups}
+    return {m: home(name) for name, m in module.named_modules()
+            if id(m) not in group_ids and any(True for _ in m.parameters(recurse=False))}
 
 
 def build_needs(module: nn.Module, groups: list[nn.Module], unit_of: dict[int, FlatUnit]) -> dict[nn.Module,
                                                                                                     list[FlatUnit]]:
     """group module -> units of every parameter its subtree uses outside nested groups."""
-    prefix_of = {id(m): name for name, m in module.named_modules(remove_duplicate=False)}
-    group_names = sorted(((prefix_of[id(g)], g) for g in groups), key=lambda t: -len(t[0]))
+    home = group_lookup(module, groups)
     needs: dict[nn.Module, list[FlatUnit]] = {g: [] for g in groups}
     for name, p in module.named_parameters(remove_duplicate=False):
-        owner = next(g for prefix, g in group_names if prefix == "" or name.startswith(prefix + "."))
         unit = unit_of.get(id(p))
-        if unit is not None and unit not in needs[owner]:
-            needs[owner].append(unit)
+        if unit is not None and unit not in needs[home(name)]:
+            needs[home(name)].append(unit)
     return needs
 
 
 def owner_of(module: nn.Module, groups: list[nn.Module]) -> dict[int, nn.Module]:
     """id(parameter) -> the group module that first names it (its unit's home)."""
-    prefix_of = {id(m): name for name, m in module.named_modules()}
-    group_names = sorted(((prefix_of[id(g)], g) for g in groups), key=lambda t: -len(t[0]))
-    out: dict[int, nn.Module] = {}
-    for name, p in module.named_parameters():
-        out[id(p)] = next(g for prefix, g in group_names if prefix == "" or name.startswith(prefix + "."))
-    return out
+    home = group_lookup(module, groups)
+    return {id(p): home(name) for name, p in module.named_parameters()}
