@@ -80,9 +80,7 @@ class GradientReducer:
     # ---- hooks ----------------------------------------------------------------------
     def _begin_backward(self) -> None:
         self._in_backward = True
-        self._next = 0
-        for unit in self.units:
-            unit.pending = len(unit.trainable)
+        self._reset_pending()
         torch.autograd.Variable._execution_engine.queue_callback(self.finish_backward)
 
     @torch.no_grad()
@@ -147,7 +145,7 @@ class GradientReducer:
         the same collectives as on the other ranks.
         """
         if not self._in_backward:
-            self._begin_backward_without_hooks()
+            self._reset_pending()
         self.finished_count += 1
         self._sweep_unhooked_grads()
         if self.reduces_now:
@@ -166,7 +164,7 @@ class GradientReducer:
                     unit.add_grad(slot_index, param.grad)
                     param.grad = None
 
-    def _begin_backward_without_hooks(self) -> None:
+    def _reset_pending(self) -> None:
         self._next = 0
         for unit in self.units:
             unit.pending = len(unit.trainable)
