@@ -64,14 +64,14 @@ def load_model_state(engine: ZeroEngine, state: dict[str, torch.Tensor], strict:
                        f"unexpected keys {unexpected[:10]}. Load with strict=False to ignore them.")
     managed = set()
     for unit in engine.units:
+        found = [next((k for k in keys[id(p)] if k in state), None) for p in unit.params]
         full = torch.zeros(unit.layout.padded_numel, dtype=torch.float32, device=engine.device)
-        for param, view in zip(unit.params, unit.views(full)):
+        if None in found:  # parameters the checkpoint lacks keep their current values (one gather a unit)
+            engine.comm.all_gather(full, unit.master.detach())
+        for param, view, key in zip(unit.params, unit.views(full), found):
             managed.add(id(param))
-            key = next((k for k in keys[id(param)] if k in state), None)
             if key is not None:
                 view.copy_(state[key].reshape(view.shape))
-            elif unit.master is not None:  # keep the current value of a parameter the checkpoint lacks
-                view.copy_(_current_value(engine, unit, param))
         _set_unit_values(unit, full)
     named = dict(module.named_parameters(remove_duplicate=False))
     for key, value in state.items():
@@ -81,12 +81,6 @@ def load_model_state(engine: ZeroEngine, state: dict[str, torch.Tensor], strict:
     for key, buf in module.named_buffers():
         if key in state:
             buf.copy_(state[key])
-
-
-def _current_value(engine: ZeroEngine, unit: FlatUnit, param: nn.Parameter) -> torch.Tensor:
-    full = torch.empty(unit.layout.padded_numel, dtype=torch.float32, device=engine.device)
-    engine.comm.all_gather(full, unit.master.detach())
-    return unit.views(full)[unit.params.index(param)]
 
 
 def _set_unit_values(unit: FlatUnit, full: torch.Tensor) -> None:
