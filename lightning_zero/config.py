@@ -35,6 +35,9 @@ class ZeroConfig:
             while backward continues; False reduces everything once backward has finished.
         reduce_dtype: dtype gradients are communicated in ("fp32", "bf16", "fp16"); None
             keeps the dtype autograd produced (half the traffic in mixed precision).
+        grad_accum_dtype: stage 1: dtype its full gradients accumulate in over the micro-batches
+            of a window ("fp32", exact, by default; "bf16"/"fp16" halve that buffer). Stages 2/3
+            always accumulate in their fp32 gradient shard.
         allow_untested_optimizer: step optimizers whose math is not known to be elementwise
             (their result on flat shards may differ from unsharded training).
         loss_scale: 0 selects dynamic loss scaling for fp16; a positive value is a static scale.
@@ -60,6 +63,7 @@ class ZeroConfig:
     reduce_bucket_size: int = 6_250_000
     overlap_comm: bool = True
     reduce_dtype: Optional[str] = None
+    grad_accum_dtype: Optional[str] = "fp32"
     allow_untested_optimizer: bool = False
     loss_scale: float = 0.0
     initial_scale_power: int = 16
@@ -89,8 +93,9 @@ class ZeroConfig:
         for name in ("prefetch", "param_persistence_threshold", "initial_scale_power"):
             value = getattr(self, name)
             _check(isinstance(value, int) and value >= 0, name, value, "use an integer >= 0")
-        _check(self.reduce_dtype is None or self.reduce_dtype in DTYPE_NAMES, "reduce_dtype",
-               self.reduce_dtype, f"use one of {sorted(set(DTYPE_NAMES))} or null")
+        for name in ("reduce_dtype", "grad_accum_dtype"):
+            value = getattr(self, name)
+            _check(value is None or value in DTYPE_NAMES, name, value, f"use one of {sorted(set(DTYPE_NAMES))} or null")
         _check(self.loss_scale >= 0, "loss_scale", self.loss_scale, "use 0 (dynamic) or a positive static scale")
         _check(isinstance(self.loss_scale_window, int) and self.loss_scale_window > 0, "loss_scale_window",
                self.loss_scale_window, "use a positive number of steps")

@@ -153,7 +153,8 @@ class ZeroStrategy(ParallelStrategy):
                 self.setup_optimizers(trainer)
             optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers] if fitting else []
             self.engine = ZeroEngine(self.lightning_module, optimizers, self.config, self.comm, self.root_device,
-                                     self.precision_plugin.compute_dtype, init_rng=self._init_rng)
+                                     self.precision_plugin.compute_dtype, init_rng=self._init_rng,
+                                     wrappers=self._lightning_optimizers if fitting else ())
             self.precision_plugin.attach(self.engine, self.root_device.type)
             if self.config.shard_params:
                 install_summary(trainer)
@@ -182,15 +183,13 @@ class ZeroStrategy(ParallelStrategy):
         if self.engine is None:
             yield
             return
-        self.engine.reducer.sync = False
-        try:
+        with self.engine.no_sync():
             yield
-        finally:
-            self.engine.reducer.sync = True
 
     def pre_backward(self, closure_loss: Tensor) -> None:
         if self.engine is not None:
             self._backward_mark = self.engine.reducer.finished_count
+            self.engine.begin_backward(closure_loss)
 
     def post_backward(self, closure_loss: Tensor) -> None:
         # A backward that reached none of the units on this rank still reduces, like the others.
@@ -203,7 +202,8 @@ class ZeroStrategy(ParallelStrategy):
         if gatherer is None:
             yield
             return
-        with gatherer.pin_root():
+        # training: held until the backward that follows ends (the loss may use root parameters)
+        with gatherer.hold(self.lightning_module, until_backward_end=torch.is_grad_enabled()):
             yield
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:

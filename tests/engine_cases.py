@@ -84,9 +84,9 @@ def run_case(rank: int, world: int, mode: str, stage: int, steps: int = 4, micro
             batch = batches[step * micro + m]
             last = m == micro - 1
             if engine is not None:
-                engine.reducer.sync = last
-                loss = loss_of(net, batch) / micro
-                loss.backward()
+                with _null() if last else engine.no_sync():
+                    loss = loss_of(net, batch) / micro
+                    engine.backward(loss)
             else:
                 ctx = net.no_sync() if not last else _null()
                 with ctx:
@@ -103,9 +103,7 @@ def run_case(rank: int, world: int, mode: str, stage: int, steps: int = 4, micro
                 engine.clip_grad_value_(optimizer, 0.01)
             else:
                 torch.nn.utils.clip_grad_value_(model.parameters(), 0.01)
-        optimizer.step()
-        if engine is not None:
-            engine.after_step(optimizer)
+        optimizer.step()  # routed through the engine when it adopted the optimizer
         if eval_inference:  # evaluation between steps, as Lightning runs it on NCCL
             with torch.inference_mode():
                 losses.append(float(loss_of(net, batches[0])))
@@ -157,7 +155,6 @@ def count_traffic(rank: int, world: int, stage: int) -> dict:
         comm.reset_counters()
         model(x).square().mean().backward()
         optimizer.step()
-        engine.after_step(optimizer)
         optimizer.zero_grad()
     padded_bytes = sum(u.layout.padded_numel * 4 for u in engine.units)
     return {"moved": dict(comm.bytes_moved), "padded_bytes": padded_bytes,

@@ -68,7 +68,10 @@ def test_checkpoint_file_holds_full_fp32_state(world2, ckpt_dir):
     assert ckpt["global_step"] == FIRST
     (opt,) = ckpt["optimizer_states"]
     assert [g["weight_decay"] for g in opt["param_groups"]] == [0.1, 0.0]
-    assert opt["state"]["fc1.weight"]["exp_avg"].shape == (48, 24)  # full shape, not a shard
+    # torch's own optimizer format (what a plain optimizer saves), parameter names beside it
+    names = opt["lightning_zero"]["param_names"]
+    assert sorted(i for g in opt["param_groups"] for i in g["params"]) == list(range(len(names)))
+    assert opt["state"][names.index("fc1.weight")]["exp_avg"].shape == (48, 24)  # full shape, not a shard
 
 
 def test_resume_same_world_size(world2):
@@ -137,20 +140,19 @@ def test_missing_key_strict_is_a_clear_key_error(world2):
         assert "fc1.bias" in case["message"] and "missing" in case["message"]
 
 
-def test_ddp_checkpoint_into_zero_is_a_clear_error(world2):
+def test_ddp_checkpoint_resumes_under_zero(world2):
+    # the optimizer state is in torch's own format: a DDP checkpoint resumes exactly under ZeRO
     for r in world2:
         case = r["ddp_to_zero"]
-        assert case.get("error") == "ValueError", case
-        assert "lightning_zero" in case["message"] and "load only the weights" in case["message"]
+        assert "ok" in case, case
+        assert_resumed_like(case["ok"], r["ref"])
 
 
-def test_zero_checkpoint_resumes_under_ddp_or_fails_clearly(world2):
+def test_zero_checkpoint_resumes_under_ddp(world2):
     for r in world2:
         case = r["zero_to_ddp"]
-        if "ok" in case:  # works: must then equal the uninterrupted run
-            assert_resumed_like(case["ok"], r["ref"])
-        else:  # or a clear error that names the cause
-            assert "lightning_zero" in case["message"], case
+        assert "ok" in case, case
+        assert_resumed_like(case["ok"], r["ref"])
 
 
 def test_save_checkpoint_after_fit_returns(tmp_path):

@@ -49,9 +49,8 @@ def measure(stage: int, layers: int, dim: int, tokens: int, prefetch: int) -> di
     x = torch.randn(tokens, dim, device="cuda", dtype=torch.bfloat16)
 
     def step():
-        model(x).float().square().mean().backward()
+        engine.backward(model(x).float().square().mean())
         opt.step()
-        engine.after_step(opt)
         opt.zero_grad()
 
     for _ in range(3):

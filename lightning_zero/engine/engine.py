@@ -1,21 +1,24 @@
 """ZeroEngine: ZeRO for a module and its optimizers, usable from plain PyTorch.
 
     engine = ZeroEngine(model, [optimizer], ZeroConfig(stage=2), Comm.from_group(), device)
+    loss = model(x).loss
+    engine.begin_backward(loss)           # optional: lets the reducer read the graph first
     loss.backward()                       # hooks reduce-scatter gradients as they are ready
     engine.clip_grad_norm_(optimizer, 1.0)
-    optimizer.step(); engine.after_step(optimizer); optimizer.zero_grad()
+    optimizer.step(); optimizer.zero_grad()   # routed through the engine
 
 The stage is a policy read from the config's derived flags: stage 1 keeps full gradients
-and reduces at the end of the accumulation window, stage 2 reduces every micro-batch and
-keeps only the gradient shard, stage 3 also keeps only the parameter shard between uses
-(see :mod:`lightning_zero.engine.gather`).
+and reduces at the end of the accumulation window (``no_sync`` around the others), stage 2
+reduces every micro-batch and keeps only the gradient shard, stage 3 also keeps only the
+parameter shard between uses (see :mod:`lightning_zero.engine.gather`).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
-from typing import Optional, Union
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -25,10 +28,12 @@ from ..config import DTYPE_NAMES, ZeroConfig
 from ..partition import layout_unit, plan_buckets
 from .activation import apply_activation_checkpointing
 from .flat_unit import FlatUnit, UnitState
-from .gather import Gatherer, build_needs, group_lookup, group_modules, members_of, owner_of
-from .grads import GradientReducer
+from .gather import Gatherer
+from .grads import GradientReducer, ReducePolicy
+from .groups import build_needs, group_lookup, group_modules, members_of, owner_of
 from .materialize import RngState, check_no_meta_left, has_meta, materialize_module
-from .optim import check_optimizer, point_at_masters
+from .optim import adopt, check_optimizer, pieces_in_groups, release, unwrap
+from .readiness import ForwardOrder
 
 __all__ = ["ZeroEngine", "dtype_of"]
 
@@ -38,23 +43,24 @@ def dtype_of(name: Optional[str], default: torch.dtype) -> torch.dtype:
 
 
 class ZeroEngine:
-    """Flattens, shards and steps ``module``'s parameters owned by ``optimizers``.
+    """Flattens, shards and steps ``module``'s parameters for ``optimizers``.
 
     Args:
         module: the model; its parameters become views into flat unit buffers.
-        optimizers: the user's optimizers (kept; their param groups are re-pointed).
+        optimizers: the user's optimizers (kept, with the module's parameters in their groups).
         config: the ZeRO policy.
         comm: collectives over the data-parallel group.
         device: where buffers live.
         compute_dtype: dtype of parameters and gradients in the module (fp32, bf16, fp16).
         init_rng: random state captured when a meta-device model was created (stage 3 init).
+        wrappers: objects that copied an optimizer's attributes (Lightning's LightningOptimizer).
     """
 
-    def __init__(self, module: nn.Module, optimizers: list[torch.optim.Optimizer], config: ZeroConfig,
+    def __init__(self, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer], config: ZeroConfig,
                  comm: Comm, device: torch.device, compute_dtype: torch.dtype = torch.float32,
-                 init_rng: Optional[RngState] = None) -> None:
+                 init_rng: Optional[RngState] = None, wrappers: Sequence[Any] = ()) -> None:
         self.module = module
-        self.optimizers = list(optimizers)
+        self.optimizers = [unwrap(o) for o in optimizers]
         self.config = config
         self.comm = comm
         self.device = torch.device(device)
@@ -65,91 +71,70 @@ class ZeroEngine:
         apply_activation_checkpointing(module, config.activation_checkpointing)
         self.names = {id(p): n for n, p in module.named_parameters()}
         self._position = {id(p): i for i, (_, p) in enumerate(module.named_parameters())}
-        self.units: list[FlatUnit] = []
-        self.grad_bytes_at_step: dict[int, int] = {}  # id(optimizer) -> fp32 gradient-shard bytes it stepped
-        self.units_of: dict[int, list[FlatUnit]] = {}  # id(optimizer) -> its units
         self.group_modules = (group_modules(module, config.wrap_modules, config.min_group_params)
                               if config.shard_params else [])
-        groups = self._param_groups()  # validates the optimizers' parameters first
-        # the user's parameter order per (optimizer, group): checkpoints list names in it, so a
-        # plain (non-ZeRO) optimizer can load them by position
-        self.group_names: dict[tuple[int, int], list[str]] = {
-            (k, g): [self.names[id(p)] for p in group["params"]]
-            for k, optimizer in enumerate(self.optimizers) for g, group in enumerate(optimizer.param_groups)}
-        self._build_units(groups, init_rng)
+        for k, optimizer in enumerate(self.optimizers):
+            self._check_params(k, optimizer)
+        self.units: list[FlatUnit] = []
+        self._build_units(init_rng)
         self._prepare_buffers()
-        for k, optimizer in enumerate(self.optimizers):
-            masters = [[u.master for u in self.units if u.group_index == (k, g)]
-                       for g in range(len(optimizer.param_groups))]
-            point_at_masters(optimizer, masters)
-            self.units_of[id(optimizer)] = [u for u in self.units if u.group_index[0] == k]
-        self.gatherer: Optional[Gatherer] = None
-        if config.shard_params:
-            unit_of = {id(p): u for u in self.units for p in u.params}
-            small = {u.index for u in self.units if u.layout.numel < config.param_persistence_threshold}
-            self.gatherer = Gatherer(build_needs(module, self.group_modules, unit_of), module, comm,
-                                     config.prefetch, small, members_of(module, self.group_modules))
-            for unit in self.units:
-                if unit.index in small:
-                    self.gatherer.unshard(unit)
-        self.reducer = GradientReducer(self.units, comm, config.shard_grads, config.overlap_comm,
-                                       on_unit_reduced=self.gatherer.on_unit_reduced if self.gatherer else None,
+        self._slot = {id(p): (u, i) for u in self.units for i, p in enumerate(u.params)}
+        self._grad_slots: list[set[int]] = [set() for _ in self.units]  # slots whose parameter holds a gradient
+        self.window = 0  # windows closed so far (see engine.grads [Note: the window])
+        self.grad_bytes_at_step = 0
+        self.gatherer = self._make_gatherer() if config.shard_params else None
+        self._forward = ForwardOrder(module) if comm.world_size > 1 or comm.force else None
+        policy = ReducePolicy(shard_grads=config.shard_grads, overlap=config.overlap_comm,
+                              reduce_dtype=self.reduce_dtype,
+                              accum_dtype=dtype_of(config.grad_accum_dtype, compute_dtype))
+        self.reducer = GradientReducer(self.units, comm, policy, agree_order=self._agree_order,
                                        on_backward_end=self.gatherer.end_of_backward if self.gatherer else None)
+        self._wrappers = {id(o): [w for w in wrappers if unwrap(w) is o] for o in self.optimizers}
+        for optimizer in self.optimizers:
+            adopt(optimizer, self.optimizer_step, self.zero_grad, self._wrappers[id(optimizer)])
 
-    # ---- construction -------------------------------------------------------------
-    def _param_groups(self) -> list[tuple[tuple[int, int], list[nn.Parameter]]]:
+    # ---- construction -------------------------------------------------------------------------
+    def _check_params(self, k: int, optimizer: torch.optim.Optimizer) -> None:
         seen: dict[int, str] = {}
-        groups = []
-        for k, optimizer in enumerate(self.optimizers):
-            for g, group in enumerate(optimizer.param_groups):
-                params = []
-                for p in group["params"]:
-                    if id(p) not in self.names:
-                        raise ValueError(
-                            f"Optimizer {k} ({type(optimizer).__name__}) param group {g} holds a tensor of shape "
-                            f"{tuple(p.shape)} that is not a parameter of the model. lightning_zero can only "
-                            f"shard the model's own parameters: pass self.parameters() (or a subset) to it.")
-                    if id(p) in seen:
-                        raise ValueError(
-                            f"Parameter '{self.names[id(p)]}' appears in two optimizer param groups "
-                            f"({seen[id(p)]} and optimizer {k} group {g}); each parameter can belong to one only.")
-                    seen[id(p)] = f"optimizer {k} group {g}"
-                    params.append(p)
-                groups.append(((k, g), sorted(params, key=lambda q: self._position[id(q)])))
-        # Parameters no optimizer steps (frozen ones, or all of them when evaluating) are still
-        # flattened: they get the compute dtype, stage 3 shards them, and teardown restores fp32 exactly.
-        rest = [p for _, p in self.module.named_parameters() if id(p) not in seen and p.is_floating_point()]
-        if rest:
-            groups.append(((-1, 0), rest))
-        return groups
+        for g, group in enumerate(optimizer.param_groups):
+            for p in group["params"]:
+                if id(p) not in self.names:
+                    raise ValueError(
+                        f"Optimizer {k} ({type(optimizer).__name__}) param group {g} holds a tensor of shape "
+                        f"{tuple(p.shape)} that is not a parameter of the model. lightning_zero can only shard the "
+                        f"model's own parameters: pass self.parameters() (or a subset) to it.")
+                if id(p) in seen:
+                    raise ValueError(
+                        f"Parameter '{self.names[id(p)]}' appears in two optimizer param groups ({seen[id(p)]} and "
+                        f"optimizer {k} group {g}); each parameter can belong to one only.")
+                seen[id(p)] = f"optimizer {k} group {g}"
 
-    def _plans(self, groups: list[tuple[tuple[int, int], list[nn.Parameter]]]) -> list[tuple]:
-        """(param group key, parameters, group module or None): one entry per unit to build."""
-        plans = []
+    def _plans(self) -> list[tuple[list[nn.Parameter], Optional[nn.Module]]]:
+        """(parameters, group module or None): one entry per unit to build.
+
+        Every floating-point parameter is flattened, trainable or not: frozen ones get the
+        compute dtype and (stage 3) are sharded too, and a later unfreeze can train them.
+        """
+        params = [p for _, p in self.module.named_parameters() if p.is_floating_point()]
         if self.config.shard_params:
             owner = owner_of(self.module, self.group_modules)
-            for key, params in groups:
-                for g in self.group_modules:
-                    mine = [p for p in params if owner[id(p)] is g]
-                    if mine:
-                        plans.append((key, mine, g))
-            return plans
-        for key, params in groups:
-            backward_order = params[::-1]
-            for bucket in plan_buckets([p.numel() for p in backward_order], self.config.reduce_bucket_size):
-                members = sorted((backward_order[i] for i in bucket), key=lambda q: self._position[id(q)])
-                plans.append((key, members, None))
+            plans = [([p for p in params if owner[id(p)] is g], g) for g in self.group_modules]
+            return [(mine, g) for mine, g in plans if mine]
+        backward_order = params[::-1]
+        plans = []
+        for bucket in plan_buckets([p.numel() for p in backward_order], self.config.reduce_bucket_size):
+            members = sorted((backward_order[i] for i in bucket), key=lambda q: self._position[id(q)])
+            plans.append((members, None))
         return plans
 
-    def _build_units(self, groups: list[tuple[tuple[int, int], list[nn.Parameter]]],
-                     init_rng: Optional[RngState]) -> None:
-        plans = self._plans(groups)
-        meta = has_meta(self.module)
-        if not meta:
-            self.units = [self._build_unit(key, params) for key, params, _ in plans]
+    def _build_units(self, init_rng: Optional[RngState]) -> None:
+        plans = self._plans()
+        if not has_meta(self.module):
+            self.units = [self._build_unit(params) for params, _ in plans]
         else:
             self._materialize_and_build(plans, init_rng)
-        # Launch order = the order backward finishes units: the later a unit's first parameter, the sooner.
+        # Default launch order = the order backward usually finishes units: the later a unit's first parameter,
+        # the sooner. The reducer adopts rank 0's recorded forward order at the first backward.
         self.units.sort(key=lambda u: -min((self._position[id(p)] for p in u.params), default=-1))
         for index, unit in enumerate(self.units):
             unit.index = index
@@ -160,8 +145,8 @@ class ZeroEngine:
         home = group_lookup(self.module, self.group_modules if self.config.shard_params else [self.module])
         last = {id(home(name)): i for i, (name, _) in enumerate(modules)}  # where each group's modules end
         done_at: dict[int, list] = {}
-        for key, params, group in plans:
-            done_at.setdefault(last[id(group if group is not None else self.module)], []).append((key, params))
+        for params, group in plans:
+            done_at.setdefault(last[id(group if group is not None else self.module)], []).append(params)
         saved = RngState()
         if init_rng is not None:
             init_rng.restore()
@@ -169,27 +154,44 @@ class ZeroEngine:
         try:
             for i, (name, module) in enumerate(modules):
                 materialize_module(name, module, self.device, remap)
-                for key, params in done_at.get(i, []):
+                for params in done_at.get(i, []):
                     current = [remap.get(id(p), p) for p in params]
                     for old, new in zip(params, current):
                         self.names[id(new)], self._position[id(new)] = self.names[id(old)], self._position[id(old)]
-                    self.units.append(self._build_unit(key, current))
+                    self.units.append(self._build_unit(current))
         finally:
             saved.restore()
         check_no_meta_left(self.module)
+        for optimizer in self.optimizers:  # the optimizers were built on the meta parameters
+            for group in optimizer.param_groups:
+                group["params"] = [remap.get(id(p), p) for p in group["params"]]
 
-    def _build_unit(self, key: tuple[int, int], params: list[nn.Parameter]) -> FlatUnit:
+    def _build_unit(self, params: list[nn.Parameter]) -> FlatUnit:
         unit = FlatUnit(index=-1, params=params, names=[self.names[id(p)] for p in params],
                         layout=layout_unit([p.numel() for p in params], self.comm.world_size),
-                        rank=self.comm.rank, compute_dtype=self.compute_dtype,
-                        reduce_dtype=self.reduce_dtype, group_index=key)
+                        rank=self.comm.rank, compute_dtype=self.compute_dtype, shapes=[p.shape for p in params])
         staging = torch.zeros(unit.layout.padded_numel, dtype=torch.float32, device=self.device)
         for slot, p in zip(unit.layout.slots, params):
             staging[slot.offset:slot.end].copy_(p.detach().reshape(-1))
         self.comm.broadcast(staging, src=0)  # every rank starts from rank 0's values, as DDP does
-        unit.shapes = [p.shape for p in params]
-        unit.build_from_flat(staging, keep_full=not self.config.shard_params)
+        unit.build(staging, keep_full=not self.config.shard_params,
+                   placeholder_ids=[self._position[id(p)] for p in params])
         return unit
+
+    def _make_gatherer(self) -> Gatherer:
+        unit_of = {id(p): u for u in self.units for p in u.params}
+        small = {u.index for u in self.units if u.layout.numel < self.config.param_persistence_threshold}
+        return Gatherer(build_needs(self.module, self.group_modules, unit_of), self.comm, self.config.prefetch,
+                        small, members_of(self.module, self.group_modules))
+
+    def _agree_order(self) -> Optional[list[int]]:
+        """Rank 0's forward order becomes every rank's launch order (one broadcast, first backward)."""
+        if self._forward is None:
+            return None
+        order = self._forward.unit_order([u.params for u in self.units])
+        self._forward.remove()
+        agreed = self.comm.broadcast(torch.tensor(order, dtype=torch.int64, device=self.device), src=0)
+        return agreed.tolist()
 
     @torch.no_grad()
     def broadcast_buffers(self) -> None:
@@ -211,23 +213,69 @@ class ZeroEngine:
         for _, b in self.module.named_buffers():
             b.data = self.comm.broadcast(b.detach().to(self.device).contiguous(), src=0)
 
-    # ---- the step ---------------------------------------------------------------------
-    def units_for(self, optimizer: torch.optim.Optimizer) -> list[FlatUnit]:
-        return self.units_of[id(_unwrap(optimizer))]
+    # ---- backward -------------------------------------------------------------------------------
+    def begin_backward(self, loss: torch.Tensor) -> None:
+        """Call before ``loss.backward()``: the reducer reads which gradients will arrive off the graph."""
+        self.reducer.begin_backward([loss])
+
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        self.begin_backward(loss)
+        loss.backward(**kwargs)
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Micro-batches before the last of a window: stage 1 accumulates locally instead of reducing."""
+        with self.reducer.no_sync():
+            yield
+
+    # ---- gradients of a window --------------------------------------------------------------------
+    def finish_grads(self) -> None:
+        """Close the window: wait for the reductions, agree on the parameters any rank used (one
+        collective), and give those parameters' pieces their gradient. A no-op when closed."""
+        used = self.reducer.close_window()
+        if used is None:
+            return
+        for unit in self.units:
+            for slot in used[unit.index]:
+                self._grad_slots[unit.index].add(slot)
+                piece = unit.pieces[slot]
+                if piece is not None and piece.grad is None:
+                    piece.grad = unit.grad_view(slot)
+            unit.release_grad_shard_if_unused()
+        self.window += 1
+
+    def slots_of(self, optimizer: torch.optim.Optimizer) -> list[tuple[FlatUnit, int]]:
+        out = []
+        for g, group in enumerate(unwrap(optimizer).param_groups):
+            for p in group["params"]:
+                found = self._slot.get(id(p))
+                if found is None:
+                    raise ValueError(
+                        f"{type(unwrap(optimizer)).__name__} param group {g} holds a tensor of shape "
+                        f"{tuple(p.shape)} that is not a parameter lightning_zero manages (added after setup?). "
+                        f"Add the model's own parameters only (optimizer.add_param_group with module.parameters()).")
+                out.append(found)
+        return out
+
+    def piece_of(self, param: nn.Parameter) -> Optional[nn.Parameter]:
+        unit, slot = self._slot[id(param)]
+        return unit.pieces[slot]
 
     def grads(self, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-        """The fp32 gradient shards of ``optimizer`` (waits for reductions still in flight)."""
+        """This rank's fp32 gradient pieces of ``optimizer``'s parameters (closes the window first)."""
         self.finish_grads()
-        return [u.master.grad for u in self.units_for(optimizer) if u.master.grad is not None]
+        pieces = (u.pieces[s] for u, s in self.slots_of(optimizer))
+        return [p.grad for p in pieces if p is not None and p.grad is not None]
 
-    def finish_grads(self) -> None:
-        """Wait for every reduce-scatter still in flight."""
-        self.reducer.wait_all()
+    def all_grads(self) -> list[torch.Tensor]:
+        """Every gradient piece of the window, whichever optimizer owns it."""
+        self.finish_grads()
+        return [p.grad for u in self.units for p in u.pieces if p is not None and p.grad is not None]
 
     @torch.no_grad()
-    def unscale_and_check_(self, optimizer: torch.optim.Optimizer, inv_scale: float, check: bool) -> bool:
-        """Multiply the gradient shards by ``inv_scale``; True if any rank saw inf/nan (one all-reduce)."""
-        grads = self.grads(optimizer)
+    def unscale_and_check_(self, inv_scale: float, check: bool = True) -> bool:
+        """Multiply every gradient piece by ``inv_scale``; True if any rank saw inf/nan (one all-reduce)."""
+        grads = self.all_grads()
         found = torch.zeros(1, dtype=torch.float32, device=self.device)
         if grads and (check or inv_scale != 1.0):
             inv = torch.full((1,), inv_scale, dtype=torch.float32, device=self.device)
@@ -238,25 +286,22 @@ class ZeroEngine:
 
     @torch.no_grad()
     def grad_norm(self, optimizer: torch.optim.Optimizer, norm_type: float = 2.0) -> torch.Tensor:
-        """Global gradient norm over every rank's shard (padding is zero and adds nothing)."""
+        """Global gradient norm of ``optimizer``'s parameters over every rank's pieces."""
         grads = self.grads(optimizer)
+        zero = torch.zeros((), device=self.device)
         if norm_type == math.inf:
-            local = torch.stack([g.abs().max() for g in grads]).max() if grads else torch.zeros((), device=self.device)
+            local = torch.stack([g.abs().max() for g in grads if g.numel()]).max() if grads else zero
             return self.comm.all_reduce(local.float().reshape(1), op="max")[0]
-        if grads:
-            local = torch.stack(torch._foreach_norm(grads, norm_type)).pow(norm_type).sum()
-        else:
-            local = torch.zeros((), device=self.device)
+        local = torch.stack(torch._foreach_norm(grads, norm_type)).pow(norm_type).sum() if grads else zero
         return self.comm.all_reduce(local.float().reshape(1), op="sum")[0].pow(1.0 / norm_type)
 
     @torch.no_grad()
     def clip_grad_norm_(self, optimizer: torch.optim.Optimizer, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Like ``torch.nn.utils.clip_grad_norm_`` over the optimizer's parameters, across shards."""
         total = self.grad_norm(optimizer, norm_type)
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         grads = self.grads(optimizer)
         if grads:
-            torch._foreach_mul_(grads, coef.to(grads[0].device))
+            torch._foreach_mul_(grads, torch.clamp(max_norm / (total + 1e-6), max=1.0).to(grads[0].device))
         return total
 
     @torch.no_grad()
@@ -264,61 +309,92 @@ class ZeroEngine:
         for g in self.grads(optimizer):
             g.clamp_(-clip_value, clip_value)
 
-    @torch.no_grad()
-    def after_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """Publish the stepped fp32 shards: copy into the compute-dtype shard; all-gather (stage 1/2).
-
-        The step consumes the gradients (as in DeepSpeed): freeing the fp32 gradient shards here
-        keeps them out of the next forward's peak memory, where Lightning's zero_grad comes too late.
-        """
-        optimizer = _unwrap(optimizer)
-        units = self.units_for(optimizer)
-        self.grad_bytes_at_step[id(optimizer)] = sum(
-            u.master.grad.numel() * u.master.grad.element_size() for u in units if u.master.grad is not None)
-        handles = []
-        for unit in units:
-            unit.master.grad = None
-            unit.sync_shard_from_master()
-            if unit.state is UnitState.UNSHARDED and unit.full is not None:
-                handles.append(self.comm.all_gather(unit.full, unit.gather_source(), async_op=True))
-        for handle in handles:
-            handle.wait()
-
-    def nonfinite_parameters(self, optimizer: torch.optim.Optimizer) -> list[str]:
-        """Names of parameters whose gradient shard holds inf/nan on any rank (diagnostics)."""
-        bad = set()
-        for unit in self.units_for(optimizer):
-            grad = unit.master.grad
-            if grad is None:
-                continue
-            for piece in unit.layout.pieces(unit.rank):
-                if not torch.isfinite(grad[piece.shard_start:piece.shard_start + piece.length]).all():
-                    bad.add(unit.names[piece.index])
+    def nonfinite_parameters(self) -> list[str]:
+        """Names of parameters whose gradient holds inf/nan on any rank (diagnostics)."""
+        bad = {u.names[i] for u in self.units for i, p in enumerate(u.pieces)
+               if p is not None and p.grad is not None and not torch.isfinite(p.grad).all()}
         return sorted(set().union(*self.comm.all_gather_object(sorted(bad))))
 
-    # ---- teardown ---------------------------------------------------------------------
+    # ---- the step ------------------------------------------------------------------------------------
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Optional[Callable] = None,
+                       **kwargs: Any) -> Any:
+        """What the adopted ``optimizer.step(closure)`` runs: closure, window, step, publish."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        out = self.step(optimizer, **kwargs)
+        return loss if loss is not None else out
+
+    def step(self, optimizer: torch.optim.Optimizer, **kwargs: Any) -> Any:
+        """Step ``optimizer`` on this rank's pieces, then publish the new values (stages 1/2).
+
+        The step consumes the gradients (as in DeepSpeed): freeing them here keeps them out of
+        the next forward's peak memory, where a zero_grad at the start of the next step comes late.
+        """
+        optimizer = unwrap(optimizer)
+        self.finish_grads()
+        self.grad_bytes_at_step = sum(u.grad_shard.numel() * 4 for u in self.units if u.grad_shard is not None)
+        with torch.no_grad(), pieces_in_groups(optimizer, self.piece_of):
+            out = optimizer._zero_inner_step(**kwargs)
+        self._consume(optimizer, publish=True)
+        return out
+
+    def skip_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Drop ``optimizer``'s gradients without stepping (fp16 overflow): values and state unchanged."""
+        self.finish_grads()
+        self._consume(optimizer, publish=False)
+
+    def zero_grad(self, optimizer: torch.optim.Optimizer, set_to_none: bool = True) -> None:
+        """``optimizer.zero_grad()``: forget the gradients of its parameters (closes an open window)."""
+        self.finish_grads()
+        self._consume(optimizer, publish=False)
+
+    @torch.no_grad()
+    def _consume(self, optimizer: torch.optim.Optimizer, publish: bool) -> None:
+        touched: dict[int, FlatUnit] = {}
+        for unit, slot in self.slots_of(optimizer):
+            if slot in self._grad_slots[unit.index]:  # the same on every rank: a global flag
+                self._grad_slots[unit.index].discard(slot)
+                touched[unit.index] = unit
+                piece = unit.pieces[slot]
+                if piece is not None:
+                    piece.grad = None
+        for unit in touched.values():
+            unit.release_grad_shard_if_unused()
+        if publish:
+            # Stages 1/2 keep every unit gathered; stage 3 refreshes the ones gathered now (persistent
+            # small units, a held root). The others are gathered from the new shards at their next use.
+            stale = [u for _, u in sorted(touched.items()) if u.state is UnitState.UNSHARDED]
+            handles = [self.comm.all_gather(u.full, u.gather_source(), async_op=True) for u in stale]
+            for handle in handles:
+                handle.wait()
+
+    # ---- teardown -------------------------------------------------------------------------------------
     @torch.no_grad()
     def unflatten(self, device: Optional[torch.device] = None) -> None:
         """Give the module back as plain fp32 parameters holding the trained (master) values."""
-        self.finish_grads()
-        self.reducer.remove_hooks()
-        if self.gatherer is not None:
-            self.gatherer.remove_hooks()
+        self.detach()
         for unit, full in self.gather_masters():
-            for param, view in zip(unit.params, unit.views(full)):
+            for param, view in zip(unit.params, unit.param_views(full)):
                 param.data = view.clone().to(device or self.device)
                 param.grad = None
             unit.full = None
 
+    def detach(self) -> None:
+        """Remove every hook and give the optimizers their own methods back."""
+        self.reducer.wait_all()
+        self.reducer.remove_hooks()
+        if self.gatherer is not None:
+            self.gatherer.remove_hooks()
+        if self._forward is not None:
+            self._forward.remove()
+        for optimizer in self.optimizers:
+            release(optimizer, self._wrappers[id(optimizer)])
+
     def gather_masters(self) -> Iterable[tuple[FlatUnit, torch.Tensor]]:
         """Yield each unit with its full fp32 values (one unit's full buffer alive at a time)."""
         for unit in self.units:
-            if not unit.params:
-                continue
             full = torch.empty(unit.layout.padded_numel, dtype=torch.float32, device=self.device)
             self.comm.all_gather(full, unit.master.detach(), async_op=False)
             yield unit, full
-
-
-def _unwrap(optimizer: Union[torch.optim.Optimizer, object]) -> torch.optim.Optimizer:
-    return getattr(optimizer, "_optimizer", optimizer)

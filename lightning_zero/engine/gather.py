@@ -1,81 +1,82 @@
-"""Stage 3: parameters stay sharded between uses; module hooks gather them on demand.
+"""Stage 3 runtime: gather a group's units for its forward and its backward, free them right after.
 
-[Note: groups and hooks]
-A wrap policy picks *group modules* (transformer blocks, say; the root is always one).
-Each parameter belongs to the units of the group module that first names it; a group
-module *needs* the units of every parameter its own subtree uses (tied weights make one
-module need another's unit). Hooks per group module:
-- forward pre-hook: all-gather what it needs (waiting for a prefetch if one is in flight)
-  and prefetch the needs of the next group module in recorded forward order;
-- forward post-hook: free the units again, and hook the outputs so that backward gathers
-  them before it reaches this module (and prefetches the previous module's);
-- after a unit's gradients are reduce-scattered its parameters are freed; whatever is
-  still gathered when backward ends is freed then.
-Recomputation under activation checkpointing runs inside backward: nothing is freed there.
-The root's units stay gathered for a whole Lightning step (``pin_root``), so code in
-``training_step`` may use any parameter the root owns (``self.head.weight`` in a loss).
+[Note: the life of a group]  (the model torch's FSDP2 uses)
+- forward pre-hook: acquire the group's units (all-gather, or take a prefetch), prefetch
+  the next ``prefetch`` groups in forward order and, when training, pass the tensor
+  inputs through ``_PostBackward``.
+- forward post-hook: release the units; hook the outputs so that backward acquires them
+  again (pre-backward) and prefetches the previous groups.
+- ``_PostBackward.backward`` runs once the gradients of the group's inputs exist. Autograd
+  runs AccumulateGrad nodes as soon as they are ready, so the group's parameter gradients
+  have been accumulated by then: the group is released there, whether or not its
+  gradients have been reduced yet (the reducer owns its own buffers).
+- end of backward: release what is still held (a group whose inputs need no gradient,
+  such as the first one) and drop prefetches nobody used.
+Units are reference counted: a unit needed by two groups (tied weights) stays gathered
+while either holds it. Unused prefetches are bounded too: issuing one more than
+``prefetch`` groups ahead drops the oldest. So at any moment what is gathered is the
+running group, at most ``prefetch`` groups ahead, the root (held by the strategy for a
+step), persistent small units, and a group whose layers run outside its forward.
+
+[Note: recomputation]
+Activation checkpointing runs forwards inside backward. Non-reentrant checkpointing
+recomputes a group after its pre-backward acquired it: nothing to do. Reentrant
+checkpointing ran the first forward without grad (no pre-backward was hooked), so its
+recomputation acquires the group and releases it after the nested backward.
+
+[Note: torch.compile]
+The hooks are excluded from compilation, and the parameter objects and the storage of
+``full`` never change (see :mod:`lightning_zero.engine.flat_unit`), so tensors a
+compiled graph saved in forward are valid again once backward re-gathers their unit.
 
 [Note: inference mode]
-Buffers are allocated under ``inference_mode(False)``: a tensor created inside Lightning's
-``inference_mode`` evaluation could not be reused by training afterwards.
+Storage and parameter data are set under ``inference_mode(False)``: a tensor touched
+inside Lightning's ``inference_mode`` evaluation must stay usable by training afterwards.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, Optional
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
 
 from ..collectives import Comm, Handle
 from .flat_unit import FlatUnit, UnitState
 
-__all__ = ["Gatherer", "group_modules", "group_lookup", "build_needs", "owner_of", "members_of"]
+__all__ = ["Gatherer"]
 
 
-def group_modules(root: nn.Module, class_names: tuple[str, ...], min_params: int) -> list[nn.Module]:
-    """The root plus the modules that form a group of their own, in ``named_modules`` order.
-
-    With ``class_names`` every module of those classes is a group. Otherwise a module with
-    children becomes a group once its subtree holds ``min_params`` parameters that no
-    deeper group took (leaf layers are never split off, so ``self.head.weight`` used in a
-    loss still belongs to an enclosing, gathered group).
-    """
-    if class_names:
-        chosen = [m for m in root.modules() if type(m).__name__ in class_names and m is not root]
-        missing = set(class_names) - {type(m).__name__ for m in chosen}
-        if missing:
-            found = sorted({type(m).__name__ for m in root.modules()})
-            raise ValueError(f"wrap_modules names {sorted(missing)}, which match no module of the model; its module "
-                             f"classes are: {', '.join(found)}.")
-        for m in chosen:
-            if not _has_forward(m):
-                raise ValueError(f"wrap_modules names {type(m).__name__}, which has no forward() (a container such "
-                                 f"as ModuleList is iterated, never called), so its parameters would never be "
-                                 f"gathered. Name the classes of the modules inside it instead.")
-    else:
-        chosen = []
-        _size_policy(root, min_params, chosen, root)
-    chosen_ids = {id(m) for m in chosen}
-    return [root] + [m for m in root.modules() if id(m) in chosen_ids]
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
 
 
-def _size_policy(module: nn.Module, min_params: int, chosen: list, root: nn.Module) -> int:
-    free = sum(p.numel() for p in module.parameters(recurse=False))
-    for child in module.children():
-        free += _size_policy(child, min_params, chosen, root)
-    if module is not root and any(True for _ in module.children()) and _has_forward(module) and free >= min_params:
-        chosen.append(module)
-        return 0
-    return free
+class _Call:
+    """One forward call of a group module; its backward holds the group from pre- to post-backward."""
+
+    __slots__ = ("group", "held")
+
+    def __init__(self, group: nn.Module) -> None:
+        self.group = group
+        self.held = False
 
 
-def _has_forward(module: nn.Module) -> bool:
-    """Containers (ModuleList, ModuleDict) are never called: hooks on them would never fire."""
-    return type(module).forward is not nn.Module.forward and not isinstance(module, (nn.ModuleList, nn.ModuleDict))
+class _PostBackward(torch.autograd.Function):
+    """Identity on a group's inputs; its backward marks the end of the group's backward."""
+
+    @staticmethod
+    def forward(ctx: Any, gatherer: Gatherer, call: _Call, *inputs: torch.Tensor) -> tuple:
+        ctx.gatherer, ctx.call = gatherer, call
+        return inputs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> tuple:
+        ctx.gatherer.post_backward(ctx.call)
+        return (None, None) + grads
 
 
 class Gatherer:
@@ -83,198 +84,242 @@ class Gatherer:
 
     Args:
         needs: group module -> the units it must see gathered while it runs.
-        root: the module whose units are pinned for a whole step.
         comm: collectives for the data-parallel group.
-        prefetch: group modules ahead whose all-gather is issued early.
-        persistent: units that stay gathered (too small to be worth freeing).
+        prefetch: groups ahead whose all-gather is issued early.
+        persistent: indices of units that stay gathered (too small to be worth freeing).
+        members: module owning parameters directly -> its group module (for layers run
+            outside their group's forward, e.g. ``self.coder.encode(x)``).
     """
 
-    def __init__(self, needs: dict[nn.Module, list[FlatUnit]], root: nn.Module, comm: Comm, prefetch: int,
-                 persistent: set[int], members: Optional[dict[nn.Module, nn.Module]] = None) -> None:
+    def __init__(self, needs: dict[nn.Module, list[FlatUnit]], comm: Comm, prefetch: int, persistent: set[int],
+                 members: Optional[dict[nn.Module, nn.Module]] = None) -> None:
         self.needs = needs
-        self.root = root
         self.comm = comm
         self.prefetch = prefetch
-        self.persistent = persistent  # unit indices
-        self.order: list[nn.Module] = []
+        self.persistent = persistent
+        self.units = sorted({id(u): u for us in needs.values() for u in us}.values(), key=lambda u: u.index)
+        self.order: list[nn.Module] = []  # group modules in forward order (first training forward)
         self._order_frozen = False
         self._position: dict[int, int] = {}
-        self._pending: dict[int, tuple[FlatUnit, Handle]] = {}  # unit index -> all-gather in flight
-        self.gathered_bytes = 0
+        self._holders: dict[int, int] = {}  # unit index -> holders
+        self._pending: dict[int, Handle] = {}  # unit index -> all-gather in flight, not yet waited for
+        self._prefetched: deque[list[FlatUnit]] = deque()  # issued ahead of use, oldest first
+        self._calls: list[_Call] = []  # training forward calls of this backward
+        self._stack: dict[int, list[Optional[_Call]]] = {}  # id(group) -> calls whose forward is running
+        self._active: dict[int, int] = {}  # id(group) -> forwards of it running now
+        self._held_until_backward_end: list[FlatUnit] = []
+        self._group_of = members or {}
         self.peak_gathered_bytes = 0
         self._hooks: list = []
         for module in needs:
-            self._hooks.append(module.register_forward_pre_hook(self._pre_forward))
+            self._hooks.append(module.register_forward_pre_hook(self._pre_forward, with_kwargs=True))
             self._hooks.append(module.register_forward_hook(self._post_forward))
-        # A member run without its group's forward (``self.vae.encode(x)`` calling layers of a
-        # group directly) still finds its parameters: its group is gathered and stays so until
-        # backward ends (training) or the step ends (evaluation).
-        self._group_of = members or {}
-        self._active: dict[int, int] = {}  # id(group module) -> forwards of it running now
-        self._loose: list[FlatUnit] = []  # units gathered by a member outside its group's forward
         for member in self._group_of:
             self._hooks.append(member.register_forward_pre_hook(self._pre_forward_member))
+        for unit in self.units:
+            if unit.index in persistent:
+                self._acquire(unit)
 
     def remove_hooks(self) -> None:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
 
-    # ---- unshard / reshard ---------------------------------------------------------------
+    @property
+    def gathered_bytes(self) -> int:
+        """Bytes of unit storage alive now (gathered or being gathered), measured on the storages."""
+        return sum(u.full_bytes for u in self.units if u.storage_alive)
+
+    # ---- units ------------------------------------------------------------------------------
     def _issue(self, unit: FlatUnit) -> None:
         if unit.state is UnitState.UNSHARDED or unit.index in self._pending:
             return
         with torch.inference_mode(False), torch.no_grad():
-            unit.full = torch.empty(unit.layout.padded_numel, dtype=unit.compute_dtype, device=unit.device)
-            self._pending[unit.index] = (unit, self.comm.all_gather(unit.full, unit.gather_source(), async_op=True))
+            unit.alloc_storage()
+            self._pending[unit.index] = self.comm.all_gather(unit.full, unit.gather_source(), async_op=True)
+        self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
 
-    def unshard(self, unit: FlatUnit) -> None:
-        if unit.state is UnitState.UNSHARDED:
-            return
-        self._issue(unit)
+    def _wait(self, unit: FlatUnit) -> None:
         try:
-            self._pending.pop(unit.index)[1].wait()
+            self._pending.pop(unit.index).wait()
         except RuntimeError as err:
             raise RuntimeError(
                 f"lightning_zero stage 3: the all-gather of parameters {unit.names[:3]}... did not complete on every "
-                f"rank. The usual cause is ranks running different numbers of forward passes (uneven evaluation "
-                f"batches from a custom sampler, or data-dependent control flow): under stage 3 every rank must run "
-                f"the same forward passes. Give each rank the same number of batches (Lightning's "
-                f"DistributedSampler does), or use stage 1/2 for that evaluation.") from err
+                f"rank. The usual cause is ranks running different forward passes (uneven evaluation batches, or "
+                f"data-dependent control flow that skips a group module on some ranks): under stage 3 every rank must "
+                f"run the same group modules in the same order. Give each rank the same number of batches "
+                f"(Lightning's DistributedSampler does), wrap the module that always runs (the MoE layer, not each "
+                f"expert), or use stage 1/2.") from err
+
+    def _acquire(self, unit: FlatUnit) -> None:
+        self._holders[unit.index] = self._holders.get(unit.index, 0) + 1
+        if unit.state is UnitState.UNSHARDED:
+            return
+        self._issue(unit)
+        self._wait(unit)
         with torch.inference_mode(False):
             unit.point_params_at_full()
-        self.gathered_bytes += unit.full.numel() * unit.full.element_size()
-        self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
 
-    def reshard(self, unit: FlatUnit) -> None:
-        if unit.state is UnitState.SHARDED or unit.pins > 0 or unit.index in self.persistent:
+    def _release(self, unit: FlatUnit) -> None:
+        left = self._holders.get(unit.index, 0) - 1
+        self._holders[unit.index] = max(left, 0)
+        if left <= 0 and unit.index not in self.persistent:
+            self._reshard(unit)
+
+    def _reshard(self, unit: FlatUnit) -> None:
+        if unit.index in self._pending:
+            self._wait(unit)
+        if unit.state is UnitState.UNSHARDED or unit.storage_alive:
+            unit.release_full()
+
+    def _prefetch(self, group: nn.Module) -> None:
+        units = [u for u in self.needs[group] if u.state is UnitState.SHARDED and u.index not in self._pending]
+        if not units:
             return
-        self.gathered_bytes -= unit.full.numel() * unit.full.element_size()
-        unit.empty_params()
-        unit.full = None
+        for unit in units:
+            self._issue(unit)
+        self._prefetched.append(units)
+        while len(self._prefetched) > self.prefetch:
+            self._drop(self._prefetched.popleft())
+
+    def _drop(self, units: list[FlatUnit]) -> None:
+        """Free prefetched units nobody acquired (the shards may change before their next use)."""
+        for unit in units:
+            if unit.state is UnitState.SHARDED and self._holders.get(unit.index, 0) == 0:
+                self._reshard(unit)
 
     def drop_prefetches(self) -> None:
-        """Complete and discard all-gathers nobody consumed (the shards may change next)."""
-        for unit, handle in self._pending.values():
-            handle.wait()
-            unit.full = None
-        self._pending.clear()
+        while self._prefetched:
+            self._drop(self._prefetched.popleft())
 
-    # ---- hooks ---------------------------------------------------------------------------
     def _prefetch_from(self, module: nn.Module, step: int) -> None:
         pos = self._position.get(id(module))
-        if pos is None or not self.prefetch:
+        if pos is None:
             return
         for k in range(1, self.prefetch + 1):
             j = pos + step * k
             if 0 <= j < len(self.order):
-                for unit in self.needs[self.order[j]]:
-                    self._issue(unit)
+                self._prefetch(self.order[j])
 
-    def _pre_forward(self, module: nn.Module, args: Any) -> None:
-        in_backward = torch._C._current_graph_task_id() != -1
-        if not self._order_frozen and not in_backward and id(module) not in self._position:
+    # ---- hooks --------------------------------------------------------------------------------
+    @torch.compiler.disable
+    def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple]:
+        stack = self._stack.setdefault(id(module), [])
+        if _in_backward():
+            stack.append(self._recompute(module))
+            return None
+        if not self._order_frozen and id(module) not in self._position:
             self._position[id(module)] = len(self.order)
             self.order.append(module)
         self._active[id(module)] = self._active.get(id(module), 0) + 1
         for unit in self.needs[module]:
-            unit.pins += 1
-            self.unshard(unit)
-        if not in_backward:
-            self._prefetch_from(module, +1)
+            self._acquire(unit)
+        self._prefetch_from(module, +1)
+        if not torch.is_grad_enabled():
+            stack.append(None)
+            return None
+        call = _Call(module)
+        self._calls.append(call)
+        stack.append(call)
+        return self._route_inputs(call, args, kwargs)
 
-    def _pre_forward_member(self, module: nn.Module, args: Any) -> None:
-        group = self._group_of[module]
-        if self._active.get(id(group), 0) or torch._C._current_graph_task_id() != -1:
-            return  # the usual path: inside its group's forward (or a recomputation in backward)
-        for unit in self.needs[group]:
-            if unit not in self._loose:
-                unit.pins += 1  # held until backward (or the evaluation step) ends
-                self._loose.append(unit)
-            self.unshard(unit)
+    def _route_inputs(self, call: _Call, args: tuple, kwargs: dict) -> Optional[tuple]:
+        """Pass the tensor inputs that need a gradient through ``_PostBackward``."""
+        flat, _ = tree_flatten((args, kwargs))
+        needing = [t for t in flat if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not needing:
+            return None
+        routed = dict(zip(map(id, needing), _PostBackward.apply(self, call, *needing)))
+        return tree_map(lambda t: routed.get(id(t), t) if isinstance(t, torch.Tensor) else t, (args, kwargs))
 
-    def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
-        in_backward = torch._C._current_graph_task_id() != -1
+    def _recompute(self, module: nn.Module) -> Optional[_Call]:
+        """A forward inside backward (activation checkpointing): see [Note: recomputation]."""
+        if any(c.held for c in self._calls if c.group is module):
+            return None  # non-reentrant: the pre-backward of this group already holds it
+        call = _Call(module)
+        call.held = True
+        self._calls.append(call)
+        for unit in self.needs[module]:
+            self._acquire(unit)
+        return call
+
+    @torch.compiler.disable
+    def _post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        call = self._stack[id(module)].pop()
+        if _in_backward():
+            if call is not None and torch.is_grad_enabled():
+                self._release_after_nested_backward(call, args)
+            return
         self._active[id(module)] -= 1
         for unit in self.needs[module]:
-            unit.pins -= 1
-        if in_backward:
-            return output  # recomputation for checkpointing: backward needs the weights right away
+            self._release(unit)
+        if call is None:
+            return
         tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
         if tensors:
-            torch.autograd.graph.register_multi_grad_hook(tensors, lambda _g, m=module: self._pre_backward(m),
+            torch.autograd.graph.register_multi_grad_hook(tensors, lambda _g, c=call: self.pre_backward(c),
                                                           mode="any")
-        if module is not self.root or not torch.is_grad_enabled():
-            for unit in self.needs[module]:
-                self.reshard(unit)
-        return output
 
-    def _pre_backward(self, module: nn.Module) -> None:
+    def _release_after_nested_backward(self, call: _Call, args: Any) -> None:
+        inputs = [t for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        if inputs:  # reentrant recomputation: the nested backward reaches these inputs last
+            torch.autograd.graph.register_multi_grad_hook(inputs, lambda _g, c=call: self.post_backward(c),
+                                                          mode="all")
+
+    @torch.compiler.disable
+    def _pre_forward_member(self, module: nn.Module, args: Any) -> None:
+        group = self._group_of[module]
+        if self._active.get(id(group), 0) or _in_backward():
+            return  # the usual path: inside its group's forward (or a recomputation in backward)
+        for unit in self.needs[group]:
+            if unit not in self._held_until_backward_end:
+                self._acquire(unit)  # held until backward (or the evaluation step) ends
+                self._held_until_backward_end.append(unit)
+
+    def pre_backward(self, call: _Call) -> None:
         self._order_frozen = True
-        for unit in self.needs[module]:
-            self.unshard(unit)
-        self._prefetch_from(module, -1)
+        if call.held:
+            return
+        call.held = True
+        for unit in self.needs[call.group]:
+            self._acquire(unit)
+        self._prefetch_from(call.group, -1)
 
-    def on_unit_reduced(self, unit: FlatUnit) -> None:
-        if all(p.requires_grad for p in unit.params):  # a frozen weight may still serve input gradients
-            self.reshard(unit)
+    def post_backward(self, call: _Call) -> None:
+        if call.held:
+            call.held = False
+            for unit in self.needs[call.group]:
+                self._release(unit)
 
     def end_of_backward(self) -> None:
-        for unit in self._loose:
-            unit.pins -= 1
-        self._loose.clear()
+        for call in self._calls:
+            self.post_backward(call)
+        self._calls.clear()
+        self.release_held()
         self.drop_prefetches()
-        for units in self.needs.values():
-            for unit in units:
-                self.reshard(unit)
+
+    def release_held(self) -> None:
+        for unit in self._held_until_backward_end:
+            self._release(unit)
+        self._held_until_backward_end.clear()
 
     @contextmanager
-    def pin_root(self) -> Iterator[None]:
-        """Keep the root's units gathered for one Lightning step (training, validation, ...)."""
-        units = self.needs[self.root]
+    def hold(self, group: nn.Module, until_backward_end: bool) -> Iterator[None]:
+        """Keep ``group``'s units gathered for a scope (a Lightning step of the root module).
+
+        With ``until_backward_end`` (training) they stay gathered until the backward that
+        follows has finished: the loss may use the root's parameters outside its forward.
+        """
+        units = self.needs[group]
         for unit in units:
-            unit.pins += 1
-            self.unshard(unit)
+            self._acquire(unit)
         try:
             yield
         finally:
-            for unit in units:
-                unit.pins -= 1
-            if not torch.is_grad_enabled():  # training: backward frees them when it ends
-                self.end_of_backward()
-
-
-def group_lookup(module: nn.Module, groups: list[nn.Module]):
-    """A function: qualified name (of a parameter or a module) -> the nearest group module above it."""
-    prefix_of = {id(m): name for name, m in module.named_modules()}  # a shared module: its first name
-    ordered = sorted(((prefix_of[id(g)], g) for g in groups), key=lambda t: -len(t[0]))
-
-    def home(name: str) -> nn.Module:
-        return next(g for prefix, g in ordered if prefix == "" or name == prefix or name.startswith(prefix + "."))
-
-    return home
-
-
-def members_of(module: nn.Module, groups: list[nn.Module]) -> dict[nn.Module, nn.Module]:
-    """Each module that owns parameters directly, except group modules -> its nearest group module."""
-    home, group_ids = group_lookup(module, groups), {id(g) for g in groups}
-    return {m: home(name) for name, m in module.named_modules()
-            if id(m) not in group_ids and any(True for _ in m.parameters(recurse=False))}
-
-
-def build_needs(module: nn.Module, groups: list[nn.Module], unit_of: dict[int, FlatUnit]) -> dict[nn.Module,
-                                                                                                    list[FlatUnit]]:
-    """group module -> units of every parameter its subtree uses outside nested groups."""
-    home = group_lookup(module, groups)
-    needs: dict[nn.Module, list[FlatUnit]] = {g: [] for g in groups}
-    for name, p in module.named_parameters(remove_duplicate=False):
-        unit = unit_of.get(id(p))
-        if unit is not None and unit not in needs[home(name)]:
-            needs[home(name)].append(unit)
-    return needs
-
-
-def owner_of(module: nn.Module, groups: list[nn.Module]) -> dict[int, nn.Module]:
-    """id(parameter) -> the group module that first names it (its unit's home)."""
-    home = group_lookup(module, groups)
-    return {id(p): home(name) for name, p in module.named_parameters()}
+            if until_backward_end:
+                self._held_until_backward_end.extend(units)
+            else:
+                for unit in units:
+                    self._release(unit)
+                self.release_held()
+                self.drop_prefetches()

@@ -1,174 +1,342 @@
 """The gradient path: hooks copy ready gradients into unit buffers and reduce-scatter them.
 
-[Note: launch order]
-Collectives must be issued in the same order on every rank, whatever order autograd
-happens to produce gradients in. Units therefore launch strictly by index: a unit whose
-gradients are complete waits until every unit before it has launched. Units are indexed
-in the order backward is expected to finish them (reverse parameter order), so in the
-usual case each launches as soon as it is ready, while backward continues (overlap).
-Units that got no gradient in a backward (unused or frozen parameters) are launched, with
-zeros, when backward ends, so every rank still issues the same sequence.
+[Note: readiness]
+Before a backward the reducer learns which parameters will get a gradient (see
+:mod:`lightning_zero.engine.readiness`); a unit is ready once those have arrived, so frozen,
+unused and unreached parameters are never waited for. Units are launched in one order
+agreed by every rank (rank 0's forward order), each as soon as it and those before it are
+ready. In a one-rank world there is nothing to agree on: each unit goes when ready.
+
+[Note: late gradients]
+A gradient that arrives after its unit was reduced (a misprediction: a parameter hidden
+from the graph) is kept in ``param.grad`` and reduced at the end of the window, after the
+window's one agreement collective says which units any rank has late gradients for.
+
+[Note: the window]
+A window is the backwards between two optimizer steps. Closing it (``close_window``) waits
+for every reduction and all-reduces one small flag vector: which parameters got a
+gradient on any rank (the others keep ``grad is None`` semantics: no step, no state
+change, as DDP with ``find_unused_parameters``) and which units have late gradients.
 
 [Note: bounded memory]
 At most ``max_inflight`` full-size gradient buffers wait on a collective; launching one
-more first completes the oldest. Stage 2/3 free a buffer once its shard is accumulated.
+more first completes the oldest. Stages 2/3 free a buffer once its shard is accumulated
+in the fp32 ``grad_shard``; stage 1 keeps its buffer (in ``accum_dtype``) for the window.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 from ..collectives import Comm, Handle
 from .flat_unit import FlatUnit
+from .readiness import reached_leaves
 
-__all__ = ["GradientReducer"]
+__all__ = ["GradientReducer", "ReducePolicy"]
 
 
-class GradientReducer:
-    """Owns the hooks and the reduce-scatter schedule of a list of units.
+@dataclass(frozen=True)
+class ReducePolicy:
+    """How gradients are reduced (from ZeroConfig and the precision).
 
     Args:
-        units: every unit with trainable parameters, in launch order.
-        comm: collectives for the data-parallel group.
-        shard_grads: stage >= 2: reduce every micro-batch and free the full buffers;
-            False (stage 1) keeps full gradients and reduces only when ``sync`` is on.
-        overlap: launch while backward runs (True) or only once it has ended.
-        on_unit_reduced: called with each unit after its gradients are reduced (stage 3
-            uses it to free the gathered parameters).
-        on_backward_end: called once a backward has finished (stage 3 frees what is left).
+        shard_grads: stage >= 2: reduce every micro-batch; False (stage 1) accumulates full
+            gradients through the window and reduces at its last backward.
+        overlap: launch while backward runs (True) or once it has ended.
+        reduce_dtype: dtype of the reduce-scatter.
+        accum_dtype: dtype stage 1 accumulates full gradients in.
         max_inflight: full-size buffers allowed to wait on a collective at once.
     """
 
-    def __init__(self, units: list[FlatUnit], comm: Comm, shard_grads: bool, overlap: bool,
-                 on_unit_reduced: Optional[Callable[[FlatUnit], None]] = None,
-                 on_backward_end: Optional[Callable[[], None]] = None, max_inflight: int = 2) -> None:
+    shard_grads: bool
+    overlap: bool
+    reduce_dtype: torch.dtype
+    accum_dtype: torch.dtype
+    max_inflight: int = 2
+
+
+class GradientReducer:
+    """Owns the gradient hooks and the reduce-scatter schedule of ``units``.
+
+    Args:
+        units: every unit, indexed by position.
+        comm: collectives for the data-parallel group.
+        policy: see :class:`ReducePolicy`.
+        agree_order: called at the first backward; returns the launch order (unit indices)
+            every rank uses, or None to keep index order.
+        on_backward_end: called once each backward has finished.
+    """
+
+    def __init__(self, units: list[FlatUnit], comm: Comm, policy: ReducePolicy,
+                 agree_order: Optional[Callable[[], Optional[list[int]]]] = None,
+                 on_backward_end: Optional[Callable[[], None]] = None) -> None:
         self.units = units
         self.comm = comm
-        self.shard_grads = shard_grads
-        self.overlap = overlap
-        self.on_unit_reduced = on_unit_reduced
+        self.policy = policy
+        self.order = list(range(len(units)))
+        self._agree_order = agree_order
         self.on_backward_end = on_backward_end
-        self.max_inflight = max_inflight
-        self.sync = True  # False inside block_backward_sync (honoured by stage 1 only)
-        self._inflight: deque = deque()
-        self._next = 0  # next unit index to launch in this backward
+        self.sync = True  # False inside no_sync (stage 1 accumulates without reducing)
+        self._slot_of = {id(p): (u, i) for u in units for i, p in enumerate(u.params)}
+        self._hooks: dict[int, object] = {}
+        self.register_hooks()
+        n = len(units)
+        self._expect: list[set[int]] = [set() for _ in range(n)]  # per backward: slots still to arrive
+        self._reducible = [False] * n
+        self._launched = [False] * n
+        self._written: list[set[int]] = [set() for _ in range(n)]  # slots holding a gradient in grad_full
+        self._cursor = 0
         self._in_backward = False
-        self.finished_count = 0  # backward passes finished; lets a caller detect "no hook fired"
+        self._inflight: deque = deque()
+        self.window_open = False
+        self._unreduced = False  # stage 1: a no_sync backward accumulated gradients not reduced yet
+        self._used: list[set[int]] = [set() for _ in range(n)]  # per window, this rank
+        self._late: dict[int, torch.Tensor] = {}  # id(param) -> param holding a late gradient
+        self.finished_count = 0
+        self.window_full_bytes = 0  # stage 1: bytes of full gradient buffers the current window allocated
         # where reduce-scatters were issued: while backward still ran (overlapped) or once it ended
         self.launches = {"during_backward": 0, "after_backward": 0}
-        self._hooks: list = []
-        self._slot_of: dict[int, tuple[FlatUnit, int]] = {}
-        for unit in units:
-            for slot_index, param in enumerate(unit.params):
-                self._slot_of[id(param)] = (unit, slot_index)
-                if param.requires_grad:  # frozen now; if unfrozen later, finish_backward sweeps its grad in
-                    self._hooks.append(param.register_post_accumulate_grad_hook(self._on_grad))
 
-    def remove_hooks(self) -> None:
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks.clear()
+    @property
+    def _ordered(self) -> bool:
+        return self.comm.world_size > 1 or self.comm.force
 
     @property
     def reduces_now(self) -> bool:
-        return self.sync or self.shard_grads
+        return self.sync or self.policy.shard_grads
 
-    # ---- hooks ----------------------------------------------------------------------
-    def _begin_backward(self) -> None:
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Stage 1: accumulate full gradients locally; stage 2/3 still reduce (their memory promise)."""
+        self.sync = False
+        try:
+            yield
+        finally:
+            self.sync = True
+
+    # ---- hooks ----------------------------------------------------------------------------
+    def register_hooks(self) -> None:
+        """Hook every parameter that needs a gradient now (parameters unfrozen later are hooked then)."""
+        for unit in self.units:
+            for param in unit.params:
+                if param.requires_grad and id(param) not in self._hooks:
+                    self._hooks[id(param)] = param.register_post_accumulate_grad_hook(self._on_grad)
+
+    def remove_hooks(self) -> None:
+        for handle in self._hooks.values():
+            handle.remove()
+        self._hooks.clear()
+
+    def begin_backward(self, roots: Sequence[torch.Tensor]) -> None:
+        """Called with the loss before ``backward()``: read what will arrive off the graph."""
+        self.register_hooks()
+        leaves, opaque = reached_leaves(roots)
+        self._start(lambda p: p.requires_grad and (opaque or id(p) in leaves))
+        root = next((r for r in roots if isinstance(r, torch.Tensor) and r.grad_fn is not None), None)
+        if root is None:
+            return
+        handle = None
+
+        def started(*_: object) -> None:  # runs inside the outer backward: queue its end there
+            handle.remove()
+            torch.autograd.Variable._execution_engine.queue_callback(self.finish_backward)
+
+        handle = root.grad_fn.register_prehook(started)
+
+    def _start(self, expected: Callable[[torch.Tensor], bool]) -> None:
+        if self._agree_order is not None:
+            order, self._agree_order = self._agree_order(), None
+            if order is not None:
+                self.order = order
         self._in_backward = True
-        self._reset_pending()
-        torch.autograd.Variable._execution_engine.queue_callback(self.finish_backward)
+        if not self.window_open:
+            self.window_full_bytes = 0
+        self.window_open = True
+        self._cursor = 0
+        for unit in self.units:
+            k = unit.index
+            self._reducible[k] = any(p.requires_grad for p in unit.params)
+            self._expect[k] = {i for i, p in enumerate(unit.params) if expected(p)}
+            self._launched[k] = False
 
     @torch.no_grad()
     def _on_grad(self, param: torch.Tensor) -> None:
-        if not self._in_backward:
-            self._begin_backward()
-        unit, slot_index = self._slot_of[id(param)]
-        if not unit.accepts_grads:
-            param.grad = None
+        if not self._in_backward:  # backward() without begin_backward(): expect every trainable parameter
+            self._start(lambda p: p.requires_grad)
+            torch.autograd.Variable._execution_engine.queue_callback(self.finish_backward)
+        self._take(param)
+
+    def _take(self, param: torch.Tensor) -> None:
+        unit, slot = self._slot_of[id(param)]
+        k = unit.index
+        self._used[k].add(slot)
+        if self._launched[k] and self.reduces_now:
+            self._late[id(param)] = param  # see [Note: late gradients]
             return
-        unit.add_grad(slot_index, param.grad)
+        self._accumulate(unit, slot, param.grad)
         param.grad = None
-        unit.pending -= 1
-        if self.overlap and self.reduces_now:
-            self._launch_ready(during_backward=True)
+        self._late.pop(id(param), None)
+        if not self.reduces_now:
+            self._unreduced = True
+            return
+        self._expect[k].discard(slot)
+        if self.policy.overlap:
+            if self._ordered:
+                self._launch_in_order(during_backward=True)
+            elif not self._expect[k]:
+                self._launch(unit, during_backward=True)
 
-    def _launch_ready(self, during_backward: bool) -> None:
-        while self._next < len(self.units) and self.units[self._next].pending <= 0:
-            self._launch(self.units[self._next], during_backward)
-            self._next += 1
+    def _accumulate(self, unit: FlatUnit, slot: int, grad: torch.Tensor) -> None:
+        if unit.grad_full is None:
+            dtype = self.policy.reduce_dtype if self.policy.shard_grads else self.policy.accum_dtype
+            unit.grad_full = torch.zeros(unit.layout.padded_numel, dtype=dtype, device=unit.device)
+            self._written[unit.index].clear()
+            if not self.policy.shard_grads:
+                self.window_full_bytes += unit.grad_full.untyped_storage().nbytes()
+        s = unit.layout.slots[slot]
+        target = unit.grad_full[s.offset:s.end]
+        if slot in self._written[unit.index]:
+            target.add_(grad.reshape(-1))
+        else:
+            target.copy_(grad.reshape(-1))
+            self._written[unit.index].add(slot)
 
-    # ---- collectives ------------------------------------------------------------------
+    def _launch_in_order(self, during_backward: bool) -> None:
+        while self._cursor < len(self.order):
+            unit = self.units[self.order[self._cursor]]
+            if self._expect[unit.index] and during_backward:
+                return
+            self._cursor += 1
+            self._launch(unit, during_backward)
+
+    # ---- collectives --------------------------------------------------------------------------
     def _launch(self, unit: FlatUnit, during_backward: bool = False) -> None:
-        if not unit.trainable:
+        k = unit.index
+        if self._launched[k]:
+            return
+        self._launched[k] = True
+        if not self._reducible[k]:
             return
         self.launches["during_backward" if during_backward else "after_backward"] += 1
-        if unit.grad_full is None:
-            unit.grad_full = unit.new_grad_buffer()
-        for slot_index, slot in enumerate(unit.layout.slots):
-            if slot_index not in unit.grad_written:
-                unit.grad_full[slot.offset:slot.end].zero_()
-        unit.grad_written.clear()
-        full = unit.grad_full
-        if self.comm.world_size == 1 and not self.comm.force:  # nothing to reduce: the buffer is the shard
+        self._reduce(unit, unit.grad_full, self._written[k])
+        unit.grad_full = None
+
+    def _reduce(self, unit: FlatUnit, full: Optional[torch.Tensor], written: set[int]) -> None:
+        """Reduce-scatter ``full`` (slots outside ``written`` are zeroed) into the unit's gradient shard."""
+        if full is None:
+            full = torch.zeros(unit.layout.padded_numel, dtype=self.policy.reduce_dtype, device=unit.device)
+        else:
+            for slot_index, slot in enumerate(unit.layout.slots):
+                if slot_index not in written:
+                    full[slot.offset:slot.end].zero_()
+        written.clear()
+        if not self._ordered:  # one rank: the buffer is the shard, in whatever dtype it accumulated
             out, handle = full, Handle()
         else:
-            full.div_(self.comm.world_size)  # pre-divide, as DDP does: keeps 16-bit sums in range
-            out = torch.empty(unit.layout.shard_numel, dtype=full.dtype, device=full.device)
-            handle = self.comm.reduce_scatter(out, full, async_op=True)
-        if self.shard_grads or out is full:
-            unit.grad_full = None  # the handle keeps the buffer alive until the collective is done
-        while len(self._inflight) >= self.max_inflight:
+            send = full if full.dtype == self.policy.reduce_dtype else full.to(self.policy.reduce_dtype)
+            send.div_(self.comm.world_size)  # pre-divide, as DDP does: keeps 16-bit sums in range
+            out = torch.empty(unit.layout.shard_numel, dtype=send.dtype, device=send.device)
+            handle = self.comm.reduce_scatter(out, send, async_op=True)
+        while len(self._inflight) >= self.policy.max_inflight:
             self._complete(*self._inflight.popleft())
         self._inflight.append((unit, out, handle))
 
-    def _complete(self, unit: FlatUnit, out: torch.Tensor, handle: Handle) -> None:
+    @staticmethod
+    def _complete(unit: FlatUnit, out: torch.Tensor, handle: Handle) -> None:
         handle.wait()
-        master = unit.master
-        if master.grad is None:
-            master.grad = out if out.dtype == torch.float32 else out.float()
-        else:
-            master.grad.add_(out)
-        if self.on_unit_reduced is not None:
-            self.on_unit_reduced(unit)
+        unit.add_to_grad_shard(out)
+
+    def wait_all(self) -> None:
+        while self._inflight:
+            self._complete(*self._inflight.popleft())
 
     @torch.no_grad()
     def finish_backward(self) -> None:
-        """End of a backward pass: launch what is left (in order) and wait for everything.
+        """End of a backward: take gradients no hook delivered, launch what is left, wait.
 
-        Also called when no hook fired (compare ``finished_count`` before and after a
-        backward): a backward that reached none of the units on this rank must still issue
-        the same collectives as on the other ranks.
+        Also called by the caller when no hook fired at all (compare ``finished_count``
+        before and after a backward): every rank must still issue the same collectives.
         """
         if not self._in_backward:
-            self._reset_pending()
+            self._start(lambda p: False)
         self.finished_count += 1
-        self._sweep_unhooked_grads()
+        for unit in self.units:  # parameters unfrozen after the last begin_backward have no hook yet
+            for param in unit.params:
+                if param.grad is not None and id(param) not in self._late:
+                    self._take(param)
         if self.reduces_now:
-            for unit in self.units[self._next:]:
-                self._launch(unit)
-            self._next = len(self.units)
+            if self._ordered:
+                self._launch_in_order(during_backward=False)
+            else:
+                for unit in self.units:
+                    self._launch(unit)
+            self._unreduced = False
         self.wait_all()
         self._in_backward = False
         if self.on_backward_end is not None:
             self.on_backward_end()
 
-    def _sweep_unhooked_grads(self) -> None:
-        for unit in self.units[self._next:]:
-            for slot_index, param in enumerate(unit.params):
-                if param.grad is not None and unit.accepts_grads:
-                    unit.add_grad(slot_index, param.grad)
-                    param.grad = None
+    # ---- the window ---------------------------------------------------------------------------
+    @torch.no_grad()
+    def close_window(self) -> Optional[list[set[int]]]:
+        """Finish the window (one small collective); returns, per unit, the slots any rank used.
 
-    def _reset_pending(self) -> None:
-        self._next = 0
+        None when the window was already closed (a second optimizer after the same backward).
+        """
+        if not self.window_open:
+            return None
+        if self._unreduced:  # stage 1 stepped right after no_sync backwards: reduce them now
+            for k in self.order:
+                self._launched[k] = False
+                self._reducible[k] = any(p.requires_grad for p in self.units[k].params)
+                self._launch(self.units[k])
+            self._unreduced = False
+        self.wait_all()
+        used, late = self._agree()
         for unit in self.units:
-            unit.pending = len(unit.trainable)
+            if late[unit.index]:
+                self._reduce_late(unit)
+        self.wait_all()
+        for s in self._used:
+            s.clear()
+        self.window_open = False
+        return used
 
-    def wait_all(self) -> None:
-        while self._inflight:
-            self._complete(*self._inflight.popleft())
+    def _agree(self) -> tuple[list[set[int]], list[bool]]:
+        sizes = [len(u.params) for u in self.units]
+        flags = torch.zeros(sum(sizes) + len(self.units), dtype=torch.float32)
+        offset = 0
+        late_units = {self._slot_of[pid][0].index for pid in self._late}
+        for unit, size in zip(self.units, sizes):
+            for slot in self._used[unit.index]:
+                flags[offset + slot] = 1.0
+            offset += size
+        for k in late_units:
+            flags[offset + k] = 1.0
+        if self._ordered:
+            device = self.units[0].device if self.units else torch.device("cpu")
+            flags = self.comm.all_reduce(flags.to(device), op="max").cpu()
+        values = flags.tolist()
+        used, offset = [], 0
+        for size in sizes:
+            used.append({i for i in range(size) if values[offset + i] > 0})
+            offset += size
+        return used, [v > 0 for v in values[offset:]]
+
+    def _reduce_late(self, unit: FlatUnit) -> None:
+        full = torch.zeros(unit.layout.padded_numel, dtype=self.policy.reduce_dtype, device=unit.device)
+        written: set[int] = set()
+        for slot, param in enumerate(unit.params):
+            if id(param) in self._late:
+                del self._late[id(param)]
+                s = unit.layout.slots[slot]
+                full[s.offset:s.end].copy_(param.grad.reshape(-1))
+                param.grad = None
+                written.add(slot)
+        self._reduce(unit, full, written)

@@ -9,11 +9,11 @@ implementation allocates (its gradient shard is fp32, so accumulation is exact).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 
 from .engine import ZeroEngine
-from .flat_unit import UnitState
 
 __all__ = ["MemoryReport", "memory_report"]
 
@@ -71,43 +71,56 @@ def _paper_text(stage: int) -> str:
     return {1: "4Ψ + 12Ψ/N", 2: "2Ψ + 14Ψ/N", 3: "16Ψ/N"}[stage]
 
 
-def _size(t) -> int:
-    return 0 if t is None else t.numel() * t.element_size()
+class _Storages:
+    """Bytes of distinct storages: a view (a fp32 master inside ``full``, a gradient piece) counts once."""
+
+    def __init__(self) -> None:
+        self.seen: set[int] = set()
+
+    def size(self, t: Optional[torch.Tensor]) -> int:
+        if t is None:
+            return 0
+        storage = t.untyped_storage()
+        if storage.nbytes() == 0 or storage.data_ptr() in self.seen:
+            return 0
+        self.seen.add(storage.data_ptr())
+        return storage.nbytes()
 
 
 def memory_report(engine: ZeroEngine) -> MemoryReport:
     """Measure ``engine`` now (call after at least one step for the optimizer state to exist)."""
     n, w, stage = 0, engine.comm.world_size, engine.config.stage
     measured = {"parameters": 0, "gradients": 0, "fp32_master": 0, "optimizer_state": 0, "comm_buffers": 0}
+    storages = _Storages()
     managed = set()
     for unit in engine.units:
         n += unit.layout.numel
         managed.update(id(p) for p in unit.params)
-        full_alive = unit.full is not None and unit.state is UnitState.UNSHARDED
-        if engine.config.shard_params:  # the shard (if fp32, it is the master); gathered units are working set
-            measured["parameters"] += _size(unit.shard)
-        else:
-            measured["parameters"] += _size(unit.full) if full_alive else _size(unit.shard)
-        if not unit.master_is_shard:
-            measured["fp32_master"] += _size(unit.master)
-        measured["gradients"] += _size(unit.master.grad if unit.master is not None else None)
-        if unit.grad_full is not None:
-            key = "gradients" if not engine.config.shard_grads else "comm_buffers"
-            measured[key] += _size(unit.grad_full)
+        if not engine.config.shard_params:  # stage 3: gathered units are working set, not model state
+            measured["parameters"] += storages.size(unit.full)
+    for unit in engine.units:
+        measured["fp32_master"] += storages.size(unit.master)
+    for unit in engine.units:
+        measured["gradients"] += storages.size(unit.grad_shard)
+        key = "comm_buffers" if engine.config.shard_grads else "gradients"
+        measured[key] += storages.size(unit.grad_full)
     for p in engine.module.parameters():
         if id(p) not in managed:
             n += p.numel()
-            measured["parameters"] += _size(p)
-    state_bytes_per_elem = 0.0
+            measured["parameters"] += storages.size(p)
+    pieces = {id(q) for u in engine.units for q in u.pieces if q is not None}
     for optimizer in engine.optimizers:
-        for unit in engine.units_for(optimizer):
-            for value in optimizer.state.get(unit.master, {}).values():
-                if isinstance(value, torch.Tensor):
-                    measured["optimizer_state"] += _size(value)
-    # Gradient shards live from backward to the step, which frees them: between steps, report
-    # what the last step held (the report is about model state, not about the moment it is read).
-    if not any(u.master is not None and u.master.grad is not None for u in engine.units):
-        measured["gradients"] += sum(engine.grad_bytes_at_step.values())
+        for key, value in optimizer.state.items():
+            if id(key) in pieces:
+                for tensor in value.values():
+                    if isinstance(tensor, torch.Tensor):
+                        measured["optimizer_state"] += storages.size(tensor)
+    # Gradients live from backward to the step, which frees them: between steps, report what the
+    # last step held (the report is about model state, not about the moment it is read).
+    if not any(u.grad_shard is not None for u in engine.units):
+        measured["gradients"] += engine.grad_bytes_at_step
+    if not engine.config.shard_grads and not any(u.grad_full is not None for u in engine.units):
+        measured["gradients"] += engine.reducer.window_full_bytes  # stage 1's full buffers of the last window
     shard_elems = sum(u.layout.shard_numel for u in engine.units) or 1
     state_bytes_per_elem = measured["optimizer_state"] / shard_elems
     return MemoryReport(rank=engine.comm.rank, world_size=w, stage=stage, num_params=n, measured=measured,
@@ -121,12 +134,13 @@ def _paper(stage: int, n: int, w: int) -> float:
 
 
 def _ours(engine: ZeroEngine, n: int, w: int, k: float) -> float:
-    p = torch.tensor([], dtype=engine.compute_dtype).element_size()
-    r = torch.tensor([], dtype=engine.reduce_dtype).element_size()
-    master = 4 if p != 4 else 0
-    per_rank = (master + 4 + k) * n / w  # fp32 master (if separate), fp32 gradient shard, optimizer state
+    p = torch.empty((), dtype=engine.compute_dtype).element_size()
+    a = torch.empty((), dtype=engine.reducer.policy.accum_dtype).element_size()
+    kept_full = not engine.config.shard_params
+    master = 0 if kept_full and p == 4 else 4  # fp32 compute with a kept full buffer: the master is a view of it
+    per_rank = (master + 4 + k) * n / w  # fp32 master, fp32 gradient shard, optimizer state
     if engine.config.shard_params:  # no 16-bit shard is kept: gathers cast the master
-        return per_rank + (p * n / w if p == 4 else 0)
+        return per_rank
     if engine.config.shard_grads:
         return per_rank + p * n
-    return per_rank + (p + r) * n
+    return per_rank + (p + a) * n

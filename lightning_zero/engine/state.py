@@ -1,10 +1,13 @@
-"""Full (consolidated) model and optimizer state, keyed by the original parameter names.
+"""Full (consolidated) model and optimizer state, in the formats plain PyTorch uses.
 
 [Note: why per original parameter]
 Shards depend on the world size; original parameters do not. Every tensor is stored with
 the shape of the parameter it belongs to, so a state written by N ranks loads on M ranks:
-each rank slices its own pieces back out. Units are gathered one at a time and moved to
-the CPU, so a rank's device never holds more than one unit's full state at once.
+each rank slices its own piece back out. The optimizer state is exactly what
+``torch.optim.Optimizer.state_dict()`` of the unsharded optimizer would hold (parameters
+numbered in param-group order, their names added under ``"lightning_zero"``), so a plain
+optimizer (DDP) loads it and it loads a plain optimizer's. Units are gathered one at a
+time and moved to the CPU, so a rank's device never holds more than one unit's full state.
 """
 
 from __future__ import annotations
@@ -14,12 +17,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from .engine import ZeroEngine, _unwrap
-from .flat_unit import FlatUnit
+from .engine import ZeroEngine
+from .flat_unit import FlatUnit, UnitState
+from .optim import unwrap
 
 __all__ = ["full_model_state", "load_model_state", "full_optimizer_state", "load_optimizer_state", "FORMAT"]
 
-FORMAT = "lightning_zero.optimizer.v1"
+FORMAT = "lightning_zero.optimizer.v2"
+_SCALAR_KEYS = ("step",)  # per-parameter counters: never sliced
 
 
 def _keys_of(module: nn.Module) -> dict[int, list[str]]:
@@ -45,7 +50,7 @@ def full_model_state(engine: ZeroEngine, keep: bool = True) -> dict[str, torch.T
     for unit, full in engine.gather_masters():
         if not keep:
             continue
-        for param, view in zip(unit.params, unit.views(full)):
+        for param, view in zip(unit.params, unit.param_views(full)):
             value = view.cpu().clone()
             for key in keys[id(param)]:
                 state[key] = value
@@ -57,7 +62,8 @@ def load_model_state(engine: ZeroEngine, state: dict[str, torch.Tensor], strict:
     """Write a full state dict (any world size wrote it) into masters, shards and buffers."""
     module = engine.module
     keys = _keys_of(module)
-    expected = set(module.state_dict().keys())
+    expected = {k for ks in keys.values() for k in ks} | {k for k, _ in module.named_buffers()}
+    expected |= set(module.state_dict().keys())
     missing, unexpected = sorted(expected - state.keys()), sorted(state.keys() - expected)
     if strict and (missing or unexpected):
         raise KeyError(f"Checkpoint does not match the model: missing keys {missing[:10]}, "
@@ -68,7 +74,7 @@ def load_model_state(engine: ZeroEngine, state: dict[str, torch.Tensor], strict:
         full = torch.zeros(unit.layout.padded_numel, dtype=torch.float32, device=engine.device)
         if None in found:  # parameters the checkpoint lacks keep their current values (one gather a unit)
             engine.comm.all_gather(full, unit.master.detach())
-        for param, view, key in zip(unit.params, unit.views(full), found):
+        for param, view, key in zip(unit.params, unit.param_views(full), found):
             managed.add(id(param))
             if key is not None:
                 view.copy_(state[key].reshape(view.shape))
@@ -84,79 +90,136 @@ def load_model_state(engine: ZeroEngine, state: dict[str, torch.Tensor], strict:
 
 
 def _set_unit_values(unit: FlatUnit, full: torch.Tensor) -> None:
-    chunk = full[unit.shard_slice]
-    unit.master.data.copy_(chunk)
-    if unit.shard is not None:
-        unit.shard.copy_(chunk)
-    if unit.full is not None and unit.state.value == "unsharded":
+    unit.master.copy_(full[unit.shard_slice])
+    if unit.state is UnitState.UNSHARDED and unit.full is not None:
         unit.full.copy_(full)
 
 
+def _is_elementwise(key: str, value: Any, numel: int) -> bool:
+    """A piece's per-element state (exp_avg, ...): 1D like the piece; counters (step) are 0-dim."""
+    return isinstance(value, torch.Tensor) and key not in _SCALAR_KEYS and value.dim() == 1 and value.numel() == numel
+
+
+def _is_full_elementwise(key: str, value: Any, shape: torch.Size, listed: Any) -> bool:
+    """A saved per-element state: listed as such (our format), or shaped like its parameter (torch's)."""
+    if listed is not None:
+        return key in listed
+    return isinstance(value, torch.Tensor) and key not in _SCALAR_KEYS and tuple(value.shape) == tuple(shape)
+
+
 @torch.no_grad()
-def full_optimizer_state(engine: ZeroEngine, optimizer: torch.optim.Optimizer, keep: bool = True) -> dict[str, Any]:
-    """The optimizer's state per original parameter name, plus its param-group hyper-parameters.
+def full_optimizer_state(engine: ZeroEngine, optimizer: Any, keep: bool = True) -> dict[str, Any]:
+    """``optimizer.state_dict()`` as the unsharded optimizer would return it (on CPU).
 
     As for :func:`full_model_state`, ranks without ``keep`` join the gathers and return ``{}``.
     """
-    optimizer = _unwrap(optimizer)
-    units = engine.units_for(optimizer)
-    per_param: dict[str, dict[str, Any]] = {}
-    elementwise: set[str] = set()  # state keys stored per element (exp_avg, ...), not scalars (step)
-    for unit in units:
-        local = optimizer.state.get(unit.master, {})
-        for key, value in local.items():
-            if isinstance(value, torch.Tensor) and value.numel() == unit.layout.shard_numel and value.dim() == 1:
-                full = torch.empty(unit.layout.padded_numel, dtype=value.dtype, device=value.device)
-                engine.comm.all_gather(full, value.contiguous())
-                elementwise.add(key)
-                if not keep:
-                    continue
-                for name, view in zip(unit.names, unit.views(full)):
-                    per_param.setdefault(name, {})[key] = view.cpu().clone()
-            else:  # scalars such as Adam's step are the same on every rank
-                for name in unit.names:
-                    per_param.setdefault(name, {})[key] = value.cpu().clone() if isinstance(value, torch.Tensor) \
-                        else value
-    k = units[0].group_index[0] if units else 0
-    groups = []
-    for g, group in enumerate(optimizer.param_groups):
-        names = engine.group_names.get((k, g), [])
-        groups.append({**{key: v for key, v in group.items() if key != "params"}, "params": names})
+    optimizer = unwrap(optimizer)
+    slots = engine.slots_of(optimizer)
+    local: dict[int, dict[str, Any]] = {}  # index -> scalar state, and which keys are elementwise (dtype)
+    for index, (unit, slot) in enumerate(slots):
+        piece = unit.pieces[slot]
+        entry = optimizer.state.get(piece) if piece is not None else None
+        if entry:
+            local[index] = {k: (str(v.dtype) if _is_elementwise(k, v, piece.numel()) else _cpu(v))
+                            for k, v in entry.items()}
+    merged: dict[int, dict[str, Any]] = {}
+    for part in engine.comm.all_gather_object(local):
+        for index, entry in part.items():
+            merged.setdefault(index, {}).update(entry)
+    state: dict[int, dict[str, Any]] = {i: {k: v for k, v in e.items() if not isinstance(v, str)}
+                                        for i, e in merged.items()}
+    by_unit: dict[int, list[int]] = {}
+    for index, (unit, _) in enumerate(slots):
+        by_unit.setdefault(unit.index, []).append(index)
+    for unit_index, indices in sorted(by_unit.items()):
+        _gather_elementwise(engine, optimizer, engine.units[unit_index], indices, slots, merged, state, keep)
     if not keep:
         return {}
-    return {"format": FORMAT, "state": per_param, "param_groups": groups, "elementwise": sorted(elementwise)}
+    names, groups, start = [], [], 0
+    for group in optimizer.param_groups:
+        count = len(group["params"])
+        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": list(range(start, start + count))})
+        names += [engine.names[id(p)] for p in group["params"]]
+        start += count
+    elementwise = sorted({k for e in merged.values() for k, v in e.items() if isinstance(v, str)})
+    return {"state": state, "param_groups": groups,
+            "lightning_zero": {"format": FORMAT, "param_names": names, "elementwise": elementwise}}
+
+
+def _gather_elementwise(engine: ZeroEngine, optimizer: torch.optim.Optimizer, unit: FlatUnit, indices: list[int],
+                        slots: list, merged: dict, state: dict, keep: bool) -> None:
+    """All-gather one unit's elementwise state (exp_avg, ...), one key at a time."""
+    keys = sorted({(k, v) for i in indices for k, v in merged.get(i, {}).items() if isinstance(v, str)})
+    for key, dtype_name in keys:
+        shard = torch.zeros(unit.layout.shard_numel, dtype=getattr(torch, dtype_name.split(".")[-1]),
+                            device=engine.device)
+        for index in indices:
+            slot = slots[index][1]
+            piece, where = unit.pieces[slot], unit.piece_of[slot]
+            value = optimizer.state.get(piece, {}).get(key) if piece is not None else None
+            if value is not None:
+                shard[where.shard_start:where.shard_start + where.length].copy_(value.reshape(-1))
+        full = torch.empty(unit.layout.padded_numel, dtype=shard.dtype, device=engine.device)
+        engine.comm.all_gather(full, shard)
+        if keep:
+            views = unit.param_views(full)
+            for index in indices:
+                if key in merged.get(index, {}):
+                    state[index][key] = views[slots[index][1]].cpu().clone()
+
+
+def _cpu(value: Any) -> Any:
+    return value.detach().cpu().clone() if isinstance(value, torch.Tensor) else value
 
 
 @torch.no_grad()
-def load_optimizer_state(engine: ZeroEngine, optimizer: torch.optim.Optimizer, saved: dict[str, Any]) -> None:
-    """Slice a full optimizer state (any world size wrote it) into this rank's shard state."""
-    optimizer = _unwrap(optimizer)
-    if saved.get("format") != FORMAT:
-        raise ValueError("This optimizer state was not written by lightning_zero (no 'format' marker); "
-                         "resume it with the strategy that wrote it, or load only the weights.")
+def load_optimizer_state(engine: ZeroEngine, optimizer: Any, saved: dict[str, Any]) -> None:
+    """Slice a full optimizer state (ours at any world size, or a plain optimizer's) into this rank's pieces."""
+    optimizer = unwrap(optimizer)
+    if "state" not in saved or "param_groups" not in saved:
+        raise ValueError("This optimizer state is neither torch's format nor lightning_zero's; resume it with the "
+                         "strategy that wrote it, or load only the weights.")
     if len(saved["param_groups"]) != len(optimizer.param_groups):
         raise ValueError(f"Checkpoint has {len(saved['param_groups'])} optimizer param groups, the optimizer "
                          f"has {len(optimizer.param_groups)}: configure_optimizers must build the same groups.")
-    local_state: dict[int, dict[str, Any]] = {}
-    elementwise = set(saved.get("elementwise", ()))
-    index_of = {id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
-    for unit in engine.units_for(optimizer):
-        entries = [saved["state"].get(name) for name in unit.names]
-        present = [e for e in entries if e]
-        if not present:
+    slots = engine.slots_of(optimizer)
+    names = saved.get("lightning_zero", {}).get("param_names")
+    listed = saved.get("lightning_zero", {}).get("elementwise")
+    index_of = _saved_index(engine, slots, names, saved)
+    for group, saved_group in zip(optimizer.param_groups, saved["param_groups"]):
+        group.update({k: v for k, v in saved_group.items() if k != "params"})
+    group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+    for param_index, (unit, slot) in enumerate(slots):
+        piece, where = unit.pieces[slot], unit.piece_of[slot]
+        entry = saved["state"].get(index_of[param_index])
+        if piece is None or not entry:
             continue
-        out: dict[str, Any] = {}
-        for key, sample in present[0].items():
-            if key in elementwise:
-                full = torch.zeros(unit.layout.padded_numel, dtype=sample.dtype)
-                for entry, view in zip(entries, unit.views(full)):
-                    if entry and key in entry:
-                        view.copy_(entry[key].reshape(view.shape))
-                out[key] = full[unit.shard_slice].clone()
+        group = group_of[id(unit.params[slot])]
+        out = {}
+        for key, value in entry.items():
+            if _is_full_elementwise(key, value, unit.shapes[slot], listed):
+                value = value.reshape(-1)[where.param_start:where.param_start + where.length]
+                out[key] = value.to(device=piece.device, dtype=piece.dtype if value.is_floating_point() else None)
+            elif key == "step" and isinstance(value, torch.Tensor) and (group.get("fused") or group.get("capturable")):
+                out[key] = value.to(device=piece.device, dtype=torch.float32)
             else:
-                out[key] = sample
-        local_state[index_of[id(unit.master)]] = out
-    groups = [{**{k: v for k, v in sg.items() if k != "params"},
-               "params": [index_of[id(p)] for p in g["params"]]}
-              for sg, g in zip(saved["param_groups"], optimizer.param_groups)]
-    optimizer.load_state_dict({"state": local_state, "param_groups": groups})
+                out[key] = _cpu(value)
+        optimizer.state[piece] = out
+
+
+def _saved_index(engine: ZeroEngine, slots: list, names: Any, saved: dict[str, Any]) -> list[Any]:
+    """Which saved index holds each of the optimizer's parameters: by name when the checkpoint
+    has names, else by position (a plain optimizer's checkpoint, same configure_optimizers)."""
+    saved_ids = [i for g in saved["param_groups"] for i in g["params"]]
+    if len(saved_ids) != len(slots):
+        raise ValueError(f"Checkpoint's optimizer has {len(saved_ids)} parameters, this one {len(slots)}: "
+                         f"configure_optimizers must build the same parameter groups.")
+    if names is None:
+        return saved_ids
+    position = {n: saved_ids[i] for i, n in enumerate(names)}
+    mine = [u.names[s] for u, s in slots]
+    lacking = [n for n in mine if n not in position]
+    if lacking:
+        raise ValueError(f"Checkpoint's optimizer state has no entry for {lacking[:5]}: it was written for "
+                         f"another model or other parameter groups.")
+    return [position[n] for n in mine]

@@ -1,8 +1,11 @@
 """ZeroPrecision: Lightning's precision plugin for sharded, mixed-precision ZeRO training.
 
 Order of one optimizer step (as Lightning's AMP plugin): scale the loss → closure
-(forward + backward) → wait for the gradient reduce-scatters → unscale and vote on overflow
-(one all-reduce MAX) → clip (global norm across shards) → step or skip → update the scale.
+(forward + backward) → close the gradient window (reductions done) → unscale and vote on
+overflow (one all-reduce MAX) and update the scale → clip (global norm across shards) →
+step or skip. Unscaling, the vote and the scale update happen once per window of
+backwards, for every optimizer at once: two optimizers stepping after one backward see the
+same, unscaled gradients and the same verdict.
 
 Mixed modes ("bf16-mixed", "16-mixed") keep 16-bit parameters and gradients in the module
 and run forward under autocast, so user code that mixes in fp32 tensors keeps working.
@@ -57,7 +60,8 @@ class ZeroPrecision(Precision):
         self.device_type = "cuda" if torch.cuda.is_available() else "cpu"
         self.scaler: Optional[DynamicLossScaler] = None
         self._engine: Optional[ZeroEngine] = None
-        self._unscaled = False
+        self._unscaled_window = -1  # the engine window whose gradients were unscaled (see _unscale_window)
+        self._window_overflow = False
         self.configure(config, explicit=config is not None)
 
     @property
@@ -109,37 +113,37 @@ class ZeroPrecision(Precision):
     def pre_backward(self, tensor: Tensor, module: Any) -> Tensor:
         if self.scaler is not None:
             tensor = tensor.float() * self.scaler.scale
-        self._unscaled = False
         return super().pre_backward(tensor, module)
 
     def zero_optimizer_step(self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any) -> Any:
         """The whole step for one optimizer (see the module docstring for the order)."""
         engine = self._require_engine()
         closure_result = closure()
-        engine.finish_grads()
         skipped_backward = closure_result is None and getattr(model, "automatic_optimization", False)
-        overflow = False
-        if self.scaler is not None and not skipped_backward:
-            overflow = engine.unscale_and_check_(optimizer, 1.0 / self.scaler.scale, check=True)
-            self._unscaled = True
+        overflow = False if skipped_backward else self._unscale_window(engine)
         self._after_closure(model, optimizer)
         if skipped_backward:
             return closure_result
         if overflow:
-            self._on_overflow(engine, optimizer)
+            engine.skip_step(optimizer)
             return closure_result
-        output = optimizer.step(**kwargs)
-        engine.after_step(optimizer)
-        if self.scaler is not None:
-            self.scaler.update(False)
+        output = engine.step(optimizer, **kwargs)
         return output if output is not None else closure_result
 
-    def _on_overflow(self, engine: ZeroEngine, optimizer: Any) -> None:
-        """Skip the step: parameters and optimizer state stay as they were; the scale adapts."""
+    def _unscale_window(self, engine: ZeroEngine) -> bool:
+        """Unscale every gradient of the window, vote on overflow and update the scale: once per
+        window, whichever optimizer asks first; later optimizers of the window reuse the verdict."""
+        engine.finish_grads()
+        if self.scaler is None:
+            return False
+        if self._unscaled_window == engine.window:
+            return self._window_overflow
+        overflow = engine.unscale_and_check_(1.0 / self.scaler.scale, check=True)
+        self._unscaled_window, self._window_overflow = engine.window, overflow
         try:
-            self.scaler.update(True)
+            self.scaler.update(overflow)
         except LossScaleAtMinimumError as err:
-            names = engine.nonfinite_parameters(optimizer)
+            names = engine.nonfinite_parameters()
             shown = ", ".join(names[:10]) + (f" and {len(names) - 10} more" if len(names) > 10 else "")
             raise LossScaleAtMinimumError(
                 f"fp16 gradients still overflow with the loss scale at its minimum ({self.scaler.min_scale:g}); "
@@ -147,18 +151,17 @@ class ZeroPrecision(Precision):
                 f"The model produces values fp16 cannot hold: train with precision='bf16-mixed' (same speed "
                 f"on recent GPUs, no loss scaling needed), lower the learning rate, or check those layers "
                 f"for exploding activations.") from err
-        for unit in engine.units_for(optimizer):
-            unit.master.grad = None
+        return overflow
 
     def clip_grad_by_norm(self, optimizer: Any, clip_val: float) -> None:
-        self._require_engine().clip_grad_norm_(optimizer, clip_val * self._clip_factor())
+        engine = self._require_engine()
+        self._unscale_window(engine)  # as torch's AMP: clipping always sees unscaled gradients
+        engine.clip_grad_norm_(optimizer, clip_val)
 
     def clip_grad_by_value(self, optimizer: Any, clip_val: float) -> None:
-        self._require_engine().clip_grad_value_(optimizer, clip_val * self._clip_factor())
-
-    def _clip_factor(self) -> float:
-        # Clipping before the step has unscaled (manual optimization) works on scaled grads.
-        return 1.0 if self.scaler is None or self._unscaled else self.scaler.scale
+        engine = self._require_engine()
+        self._unscale_window(engine)
+        engine.clip_grad_value_(optimizer, clip_val)
 
     def _require_engine(self) -> ZeroEngine:
         if self._engine is None:
