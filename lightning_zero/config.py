@@ -31,8 +31,9 @@ class ZeroConfig:
         reduce_bucket_size: elements per gradient bucket (stages 1/2). A bucket is also the
             unit that is sharded evenly across ranks, so it bounds the transient full-size
             gradient buffer a rank holds while a reduce-scatter is in flight.
-        overlap_comm: launch each bucket's reduce-scatter as soon as its gradients are ready,
-            while backward continues; False reduces everything once backward has finished.
+        overlap_comm: launch each bucket's reduce-scatter as soon as its gradients are ready
+            and let it run while backward continues; False waits for each one right after
+            launching it (no overlap, same bounded memory: for debugging and timing).
         reduce_dtype: dtype gradients are communicated in ("fp32", "bf16", "fp16"); None
             keeps the dtype autograd produced (half the traffic in mixed precision).
         grad_accum_dtype: stage 1: dtype its full gradients accumulate in over the micro-batches

@@ -162,11 +162,26 @@ def count_traffic(rank: int, world: int, stage: int) -> dict:
 
 
 def launch_schedule(rank: int, world: int, overlap: bool) -> dict:
-    """Where the reduce-scatters of one backward were issued (8 buckets of one layer each)."""
+    """One backward of 8 one-layer buckets: when reductions were issued and waited for, in time
+    order beside the moments backward reached each layer (hooks on the layers' outputs)."""
+    import time
+
     torch.manual_seed(0)
     model = Stack(dim=32, layers=8)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     engine = ZeroEngine(model, [optimizer], ZeroConfig(stage=2, reduce_bucket_size=1100, overlap_comm=overlap),
                         Comm.from_group(), "cpu")
-    model(torch.randn(4, 32)).sum().backward()
-    return {"units": len(engine.units), **engine.reducer.launches}
+    trace: list = []
+    engine.reducer.trace = trace
+
+    def reached(i):
+        def hook(grad):
+            trace.append((time.perf_counter(), "backward", i))
+        return hook
+
+    x = torch.randn(4, 32)
+    for i, layer in enumerate(model.layers):
+        x = torch.tanh(layer(x))
+        x.register_hook(reached(i))
+    x.sum().backward()
+    return {"units": len(engine.units), **engine.reducer.launches, "trace": [(w, k) for _, w, k in sorted(trace)]}

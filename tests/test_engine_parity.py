@@ -61,6 +61,15 @@ def test_reduce_scatter_overlaps_backward():
     on = run_ranks(launch_schedule, 2, True)[0]
     off = run_ranks(launch_schedule, 2, False)[0]
     assert on["units"] == off["units"] == 8
-    # overlapped: all but the last bucket (finished by the last hook or by the end callback) go out mid-backward
-    assert on["during_backward"] >= on["units"] - 1 and on["during_backward"] + on["after_backward"] == 8
-    assert off == {"units": 8, "during_backward": 0, "after_backward": 8}
+    for run in (on, off):  # both issue each bucket as soon as it is ready, while backward runs
+        first_launch = next(i for i, (what, _) in enumerate(run["trace"]) if what == "launch")
+        last_backward = max(i for i, (what, _) in enumerate(run["trace"]) if what == "backward")
+        assert first_launch < last_backward, run["trace"]
+        assert run["during_backward"] >= 7 and run["during_backward"] + run["after_backward"] == 8
+    # overlapped: some reduction is still in flight when backward reaches the next layer
+    in_flight = [on["trace"][i + 1][0] == "backward" for i, (what, _) in enumerate(on["trace"][:-1]) if what == "launch"]
+    assert any(in_flight), on["trace"]
+    # not overlapped: every launch is waited for before backward goes on
+    for i, (what, k) in enumerate(off["trace"]):
+        if what == "launch":
+            assert off["trace"][i + 1] == ("done", k), off["trace"]

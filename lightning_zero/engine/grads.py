@@ -20,12 +20,15 @@ change, as DDP with ``find_unused_parameters``) and which units have late gradie
 
 [Note: bounded memory]
 At most ``max_inflight`` full-size gradient buffers wait on a collective; launching one
-more first completes the oldest. Stages 2/3 free a buffer once its shard is accumulated
+more first completes the oldest, and so does starting a new buffer while ``max_inflight``
+others are alive (in flight or still filling), so stages 2/3 hold at most
+``max_inflight`` + 1 full-size gradient buffers whatever order gradients arrive in. Stages 2/3 free a buffer once its shard is accumulated
 in the fp32 ``grad_shard``; stage 1 keeps its buffer (in ``accum_dtype``) for the window.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -48,7 +51,8 @@ class ReducePolicy:
     Args:
         shard_grads: stage >= 2: reduce every micro-batch; False (stage 1) accumulates full
             gradients through the window and reduces at its last backward.
-        overlap: launch while backward runs (True) or once it has ended.
+        overlap: True: a reduction runs while backward goes on; False: it is waited for at once
+            (no overlap, but still issued as soon as its unit is ready, so memory stays bounded).
         reduce_dtype: dtype of the reduce-scatter.
         accum_dtype: dtype stage 1 accumulates full gradients in.
         max_inflight: full-size buffers allowed to wait on a collective at once.
@@ -102,6 +106,7 @@ class GradientReducer:
         self.window_full_bytes = 0  # stage 1: bytes of full gradient buffers the current window allocated
         # where reduce-scatters were issued: while backward still ran (overlapped) or once it ended
         self.launches = {"during_backward": 0, "after_backward": 0}
+        self.trace: Optional[list] = None  # set to a list to record (time, "launch"|"done", unit index)
 
     @property
     def _ordered(self) -> bool:
@@ -186,14 +191,15 @@ class GradientReducer:
             self._unreduced = True
             return
         self._expect[k].discard(slot)
-        if self.policy.overlap:
-            if self._ordered:
-                self._launch_in_order(during_backward=True)
-            elif not self._expect[k]:
-                self._launch(unit, during_backward=True)
+        if self._ordered:
+            self._launch_in_order(during_backward=True)
+        elif not self._expect[k]:
+            self._launch(unit, during_backward=True)
 
     def _accumulate(self, unit: FlatUnit, slot: int, grad: torch.Tensor) -> None:
         if unit.grad_full is None:
+            if self.policy.shard_grads:
+                self._make_room()
             dtype = self.policy.reduce_dtype if self.policy.shard_grads else self.policy.accum_dtype
             unit.grad_full = torch.zeros(unit.layout.padded_numel, dtype=dtype, device=unit.device)
             self._written[unit.index].clear()
@@ -206,6 +212,14 @@ class GradientReducer:
         else:
             target.copy_(grad.reshape(-1))
             self._written[unit.index].add(slot)
+
+    def _make_room(self) -> None:
+        """Before a new full-size buffer: at most ``max_inflight`` others may be alive, filling or in
+        flight (a unit still waiting for a late gradient, e.g. a stem registered among the last
+        layers, counts too), so the oldest reduction completes first."""
+        filling = sum(1 for u in self.units if u.grad_full is not None)
+        while self._inflight and filling + len(self._inflight) > self.policy.max_inflight:
+            self._complete(*self._inflight.popleft())
 
     def _launch_in_order(self, during_backward: bool) -> None:
         while self._cursor < len(self.order):
@@ -224,6 +238,7 @@ class GradientReducer:
         if not self._reducible[k]:
             return
         self.launches["during_backward" if during_backward else "after_backward"] += 1
+        self._trace("launch", k)
         self._reduce(unit, unit.grad_full, self._written[k])
         unit.grad_full = None
 
@@ -243,14 +258,21 @@ class GradientReducer:
             send.div_(self.comm.world_size)  # pre-divide, as DDP does: keeps 16-bit sums in range
             out = torch.empty(unit.layout.shard_numel, dtype=send.dtype, device=send.device)
             handle = self.comm.reduce_scatter(out, send, async_op=True)
+        if not self.policy.overlap:
+            self._complete(unit, out, handle)
+            return
         while len(self._inflight) >= self.policy.max_inflight:
             self._complete(*self._inflight.popleft())
         self._inflight.append((unit, out, handle))
 
-    @staticmethod
-    def _complete(unit: FlatUnit, out: torch.Tensor, handle: Handle) -> None:
+    def _complete(self, unit: FlatUnit, out: torch.Tensor, handle: Handle) -> None:
         handle.wait()
         unit.add_to_grad_shard(out)
+        self._trace("done", unit.index)
+
+    def _trace(self, what: str, unit_index: int) -> None:
+        if self.trace is not None:
+            self.trace.append((time.perf_counter(), what, unit_index))
 
     def wait_all(self) -> None:
         while self._inflight:
