@@ -108,7 +108,11 @@ class ZeroStrategy(ParallelStrategy):
 
     @property
     def restore_checkpoint_after_setup(self) -> bool:
-        return True  # the engine (and its optimizer shards) must exist before state is loaded
+        # As under DDP, a checkpoint's weights and callback states load into the plain module before
+        # setup (so a module's on_load_checkpoint runs before configure_optimizers) and the engine
+        # shards those values. A model still on the meta device can only take them after setup.
+        module = self.lightning_module
+        return module is not None and has_meta(module)
 
     @property
     def precision_plugin(self) -> ZeroPrecision:
@@ -318,8 +322,20 @@ class ZeroStrategy(ParallelStrategy):
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         assert self.engine is not None
+        self._replay_finetuning_restore()
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
             load_optimizer_state(self.engine, optimizer, state)
+
+    def _replay_finetuning_restore(self) -> None:
+        """Fine-tuning callbacks re-create the param groups they added in ``on_fit_start``. With a
+        checkpoint restored after setup (as here) their state loads after that hook, so the
+        groups must be re-created now, before the optimizer state that refers to them loads."""
+        from lightning.pytorch.callbacks import BaseFinetuning
+
+        trainer = self.lightning_module.trainer
+        for callback in trainer.callbacks:
+            if isinstance(callback, BaseFinetuning) and getattr(callback, "_restarting", False):
+                callback.on_fit_start(trainer, self.lightning_module)
 
     # ---- teardown ---------------------------------------------------------------------------------
     def teardown(self) -> None:

@@ -358,7 +358,8 @@ class ZeroEngine:
                 self._grad_slots[unit.index].discard(slot)
                 touched[unit.index] = unit
                 piece = unit.pieces[slot]
-                if piece is not None:
+                if piece is not None and piece.grad is not None:
+                    piece.grad.zero_()  # the shard may live on for other parameters' gradients
                     piece.grad = None
         for unit in touched.values():
             unit.release_grad_shard_if_unused()
