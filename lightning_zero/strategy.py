@@ -77,7 +77,6 @@ class ZeroStrategy(ParallelStrategy):
         self.comm = Comm()
         self._init_rng: Optional[RngState] = None
         self._released: Optional[ZeroEngine] = None  # the last fit's engine, for saving after fit returns
-        self._backward_mark = 0
         self._sync_buffers_next = True
 
     # ---- what Lightning asks of a parallel strategy ---------------------------------------
@@ -192,13 +191,11 @@ class ZeroStrategy(ParallelStrategy):
 
     def pre_backward(self, closure_loss: Tensor) -> None:
         if self.engine is not None:
-            self._backward_mark = self.engine.reducer.finished_count
             self.engine.begin_backward(closure_loss)
 
     def post_backward(self, closure_loss: Tensor) -> None:
-        # A backward that reached none of the units on this rank still reduces, like the others.
-        if self.engine is not None and self.engine.reducer.finished_count == self._backward_mark:
-            self.engine.reducer.finish_backward()
+        if self.engine is not None:
+            self.engine.end_backward()
 
     @contextmanager
     def _root_gathered(self) -> Generator[None, None, None]:
@@ -216,7 +213,7 @@ class ZeroStrategy(ParallelStrategy):
         # which synchronized gradients (so at the first micro-batch of each accumulation window).
         if engine is not None and self.config.broadcast_buffers and self._sync_buffers_next:
             engine.broadcast_buffers()
-        self._sync_buffers_next = torch.is_grad_enabled() and (engine is None or engine.reducer.sync)
+        self._sync_buffers_next = torch.is_grad_enabled() and (engine is None or engine.syncing)
         with self._root_gathered():
             return super().training_step(*args, **kwargs)
 

@@ -6,6 +6,8 @@ compares their loss trajectories and final parameters.
 
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -185,3 +187,37 @@ def launch_schedule(rank: int, world: int, overlap: bool) -> dict:
         x.register_hook(reached(i))
     x.sum().backward()
     return {"units": len(engine.units), **engine.reducer.launches, "trace": [(w, k) for _, w, k in sorted(trace)]}
+
+
+def accumulation_error(rank: int, world: int, accum_dtype: str, micro: int = 64) -> dict:
+    """Stage 1, bf16 module, ``micro`` micro-batches in one window: the engine's reduced gradient
+    against the exact (fp64) average over ranks of the sum of the bf16 micro-batch gradients."""
+    torch.manual_seed(0)
+    model = Stack(dim=64, layers=2).to(torch.bfloat16)
+    reference = copy.deepcopy(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    engine = ZeroEngine(model, [optimizer], ZeroConfig(stage=1, grad_accum_dtype=accum_dtype, reduce_dtype="fp32"),
+                        Comm.from_group(), "cpu", compute_dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(100 + rank)
+    exact = {n: torch.zeros(p.shape, dtype=torch.float64) for n, p in reference.named_parameters()}
+    for i in range(micro):
+        x = torch.randn(8, 64, generator=g).to(torch.bfloat16)
+        reference.zero_grad()
+        reference(x).float().sum().backward()
+        for n, p in reference.named_parameters():
+            exact[n] += p.grad.double()
+        context = engine.no_sync() if i < micro - 1 else _null()
+        with context:
+            engine.backward(model(x).float().sum())
+    for n in exact:
+        torch.distributed.all_reduce(exact[n])
+        exact[n] /= world
+    engine.finish_grads()
+    worst = 0.0
+    for name, param in model.named_parameters():
+        piece, owned = engine.piece_of(param), engine.owned_range(param)
+        if piece is None or piece.grad is None:
+            continue
+        want = exact[name].reshape(-1)[owned[0]:owned[0] + owned[1]]
+        worst = max(worst, float((piece.grad.double() - want).abs().max() / exact[name].abs().max()))
+    return {"error": worst}

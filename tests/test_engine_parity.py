@@ -73,3 +73,14 @@ def test_reduce_scatter_overlaps_backward():
     for i, (what, k) in enumerate(off["trace"]):
         if what == "launch":
             assert off["trace"][i + 1] == ("done", k), off["trace"]
+
+
+@pytest.mark.slow
+def test_stage1_accumulates_in_fp32_by_default():
+    from engine_cases import accumulation_error
+
+    fp32 = run_ranks(accumulation_error, 2, "fp32")
+    bf16 = run_ranks(accumulation_error, 2, "bf16")
+    for exact, lossy in zip(fp32, bf16):
+        assert exact["error"] < 1e-5, exact  # 64 bf16 micro-batch gradients summed in fp32
+        assert lossy["error"] > 10 * exact["error"], (lossy, exact)  # the opt-in 16-bit buffer is really 16-bit

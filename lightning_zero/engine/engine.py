@@ -221,6 +221,18 @@ class ZeroEngine:
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         self.begin_backward(loss)
         loss.backward(**kwargs)
+        self.end_backward()
+
+    def end_backward(self) -> None:
+        """Call after a backward started with ``begin_backward``: if it reached none of this rank's
+        parameters (no hook fired), the reductions every other rank issues are issued here too."""
+        if self.reducer.in_backward:
+            self.reducer.finish_backward()
+
+    @property
+    def syncing(self) -> bool:
+        """False inside ``no_sync`` (a micro-batch before the last of a window)."""
+        return self.reducer.sync
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -260,6 +272,12 @@ class ZeroEngine:
     def piece_of(self, param: nn.Parameter) -> Optional[nn.Parameter]:
         unit, slot = self._slot[id(param)]
         return unit.pieces[slot]
+
+    def owned_range(self, param: nn.Parameter) -> Optional[tuple[int, int]]:
+        """(start, length) of the part of ``param`` (flattened) this rank's piece holds; None if none."""
+        unit, slot = self._slot[id(param)]
+        piece = unit.piece_of[slot]
+        return None if piece is None else (piece.param_start, piece.length)
 
     def grads(self, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
         """This rank's fp32 gradient pieces of ``optimizer``'s parameters (closes the window first)."""

@@ -109,6 +109,11 @@ class GradientReducer:
         self.trace: Optional[list] = None  # set to a list to record (time, "launch"|"done", unit index)
 
     @property
+    def in_backward(self) -> bool:
+        """A backward was announced (``begin_backward``) or started and has not finished yet."""
+        return self._in_backward
+
+    @property
     def _ordered(self) -> bool:
         return self.comm.world_size > 1 or self.comm.force
 
