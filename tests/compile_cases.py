@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import lightning.pytorch as pl
+from model_zoo import ZooLM, zoo_data, zoo_strategy
 
 import lightning_zero
-from model_zoo import ZooLM, zoo_data, zoo_strategy
 
 REF = "ddp_find_unused_parameters_true"
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import BackboneFinetuning
+from model_zoo import DIM, VOCAB, Block, zoo_data, zoo_strategy
 from torch import nn
 
 import lightning_zero
-from model_zoo import DIM, VOCAB, Block, zoo_data, zoo_strategy
 
 
 class FinetuneLM(pl.LightningModule):

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import lightning.pytorch as pl
 import torch
+from model_zoo import DIM, VOCAB, Block, zoo_data, zoo_strategy
 from torch import nn
 
 import lightning_zero
 from lightning_zero import ZeroPrecision
-from model_zoo import DIM, VOCAB, Block, zoo_data, zoo_strategy
 
 CLIP = 0.05  # small enough that both optimizers' gradients are clipped at every step
 SCALE = 2.0**12
