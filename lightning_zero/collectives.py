@@ -69,6 +69,19 @@ class Comm:
             return cls()
         return cls(dist.get_rank(group), dist.get_world_size(group), group)
 
+    def sibling(self) -> Comm:
+        """The same ranks on a second process group (a collective call: every rank must make it).
+
+        Stage 3 gathers parameters on it, so that a prefetch all-gather issued in backward does
+        not queue behind reduce-scatters still in flight on the first group (one NCCL
+        communicator, or one gloo work queue, runs its collectives in issue order).
+        """
+        if self._local or not dist.is_initialized():
+            return self
+        ranks = dist.get_process_group_ranks(self.group) if self.group is not None else list(range(dist.get_world_size()))
+        group = dist.new_group(ranks, backend=dist.get_backend(self.group))
+        return Comm(self.rank, self.world_size, group, self.bytes_moved, self.force)
+
     @property
     def backend(self) -> str:
         if self.world_size == 1:

@@ -18,9 +18,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world: int, port: int, fn, args, queue, lightning: bool) -> None:
+def _entry(rank: int, world: int, port: int, fn, args, queue, lightning: bool, one_gpu: bool = False) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    if lightning:  # torchrun-style variables: Lightning joins these processes instead of launching its own
+    if one_gpu:  # each rank a "node" of one device: all of them on cuda:0 (Trainer(devices=1, num_nodes=world))
+        os.environ.update(LOCAL_RANK="0", RANK=str(rank), WORLD_SIZE=str(world), NODE_RANK=str(rank),
+                          LOCAL_WORLD_SIZE="1")
+    elif lightning:  # torchrun-style variables: Lightning joins these processes instead of launching its own
         os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world), NODE_RANK="0",
                           LOCAL_WORLD_SIZE=str(world))
     torch.set_num_threads(1)
@@ -37,11 +40,13 @@ def _entry(rank: int, world: int, port: int, fn, args, queue, lightning: bool) -
             dist.destroy_process_group()
 
 
-def run_ranks(fn, world: int, *args, timeout: float = 300.0, lightning: bool = False) -> list:
+def run_ranks(fn, world: int, *args, timeout: float = 300.0, lightning: bool = False, one_gpu: bool = False) -> list:
     """``fn(rank, world, *args)`` on ``world`` processes; returns the per-rank results in rank order.
 
     With ``lightning=True`` no process group is started here: the function builds a Trainer
-    (``devices=world``), which finds the torchrun-style environment and joins it.
+    (``devices=world``), which finds the torchrun-style environment and joins it. ``one_gpu=True``
+    makes each rank a node of one device, all on cuda:0 (``Trainer(devices=1, num_nodes=world)``,
+    gloo: NCCL refuses two ranks on one GPU).
     """
     # A fixed mmap threshold makes glibc return large freed blocks to the OS, so that peak RSS
     # measures what a process really held rather than heap fragmentation.
@@ -49,7 +54,7 @@ def run_ranks(fn, world: int, *args, timeout: float = 300.0, lightning: bool = F
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world, port, fn, args, queue, lightning)) for r in range(world)]
+    procs = [ctx.Process(target=_entry, args=(r, world, port, fn, args, queue, lightning or one_gpu, one_gpu)) for r in range(world)]
     for p in procs:
         p.start()
     results: dict[int, object] = {}

@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_zero
-from lightning_zero import ZeroConfig, ZeroStrategy
+from lightning_zero import ZeroConfig, ZeroPrecision, ZeroStrategy
 
 VOCAB, DIM, LAYERS = 37, 32, 8
 
@@ -126,24 +126,34 @@ class ZooLM(pl.LightningModule):
     def training_step(self, batch, batch_idx):
         (idx,) = batch
         logits = self(idx[:, :-1])
-        loss = nn.functional.cross_entropy(logits.reshape(-1, VOCAB), idx[:, 1:].reshape(-1))
+        loss = nn.functional.cross_entropy(logits.float().reshape(-1, VOCAB), idx[:, 1:].reshape(-1))
         self.losses.append(float(loss.detach()))
         return loss
+
+    def validation_step(self, batch, batch_idx):
+        (idx,) = batch
+        logits = self(idx[:, :-1])
+        self.log("val_loss", nn.functional.cross_entropy(logits.float().reshape(-1, VOCAB), idx[:, 1:].reshape(-1)),
+                 sync_dist=True)
 
     def configure_optimizers(self):
         return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=self.lr,
                                  weight_decay=self.weight_decay)
 
 
-def zoo_strategy(name: str, kind: str = "plain", **options):
+def zoo_strategy(name: str, kind: str = "plain", backend: str | None = None, **options):
     if name.startswith("ddp"):
-        return name
+        if backend is None:
+            return name
+        from lightning.pytorch.strategies import DDPStrategy
+
+        return DDPStrategy(process_group_backend=backend, find_unused_parameters="unused" in name)
     stage = int(name[-1])
     if stage == 3:  # MoE: the layer that always runs is the group, not each expert
         options.setdefault("wrap_modules", ("Block", "MoE") if kind == "moe" else ("Block",))
         options.setdefault("param_persistence_threshold", 0)
     options.setdefault("reduce_bucket_size", 4000)  # about one block per bucket
-    return ZeroStrategy(config=ZeroConfig(stage=stage, **options))
+    return ZeroStrategy(config=ZeroConfig(stage=stage, **options), process_group_backend=backend)
 
 
 class _ArmProbes(pl.Callback):
@@ -157,17 +167,24 @@ class _ArmProbes(pl.Callback):
 
 
 def fit_zoo(rank: int, world: int, kind: str, strategy: str, probe: bool = False, accumulate: int = 1,
-            options: dict | None = None, epochs: int = 1) -> dict:
+            options: dict | None = None, epochs: int = 1, one_gpu: bool = False, precision: str = "32-true",
+            plugin: str = "") -> dict:
+    """``one_gpu``: every rank on cuda:0 as one "node" each, over gloo (see dist_utils.run_ranks)."""
     assert lightning_zero
     pl.seed_everything(0, verbose=False)
     module = ZooLM(kind)
-    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=zoo_strategy(strategy, kind, **(options or {})),
-                         max_epochs=epochs, accumulate_grad_batches=accumulate, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         num_sanity_val_steps=0, callbacks=[_ArmProbes()] if probe else [])
+    where = dict(accelerator="gpu", devices=1, num_nodes=world) if one_gpu else dict(accelerator="cpu", devices=world)
+    strategy_obj = zoo_strategy(strategy, kind, backend="gloo" if one_gpu else None, **(options or {}))
+    trainer = pl.Trainer(**where, strategy=strategy_obj, max_epochs=epochs, accumulate_grad_batches=accumulate,
+                         precision=None if plugin else precision, plugins=[ZeroPrecision(plugin)] if plugin else None,
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, num_sanity_val_steps=0,
+                         callbacks=[_ArmProbes()] if probe else [])
     trainer.fit(module, zoo_data())
     out = {"losses": module.losses, "global_step": trainer.global_step,
            "state": {k: v.detach().float().cpu().clone() for k, v in module.state_dict().items()}}
+    if one_gpu:
+        out["val"] = trainer.validate(module, zoo_data(16), verbose=False)[0]
     if probe:
         out.update(seen_blocks=module.seen_blocks, seen_buffers=module.seen_buffers)
     return out

@@ -177,7 +177,26 @@ def _check_subgroup(comm, rank, world):
     assert s.item() == sum(members)
 
 
+def _check_sibling_does_not_queue(comm, rank, world):
+    # Rank 0 issues a reduce-scatter and, while it is still in flight, an all-gather on the sibling
+    # group; the other ranks join the all-gather first and the reduce-scatter only after it. On one
+    # shared group the all-gather would queue behind the reduce-scatter and never complete.
+    side = comm.sibling()
+    assert side.group is not comm.group and (side.rank, side.world_size) == (rank, world)
+    full, out, gathered = torch.ones(world * CHUNK), torch.empty(CHUNK), torch.empty(world * 2)
+    if rank == 0:
+        handle = comm.reduce_scatter(out, full, async_op=True)
+        side.all_gather(gathered, torch.full((2,), float(rank))).wait()
+        handle.wait()
+    else:
+        side.all_gather(gathered, torch.full((2,), float(rank))).wait()
+        comm.reduce_scatter(out, full).wait()
+    assert torch.equal(gathered, torch.arange(world, dtype=torch.float32).repeat_interleave(2))
+    assert torch.equal(out, torch.full((CHUNK,), float(world)))
+
+
 CHECKS = {
+    "sibling_does_not_queue": _check_sibling_does_not_queue,
     "reduce_scatter_fp32": _check_reduce_scatter(torch.float32, False),
     "reduce_scatter_fp32_async": _check_reduce_scatter(torch.float32, True),
     "reduce_scatter_bf16": _check_reduce_scatter(torch.bfloat16, False),

@@ -181,7 +181,7 @@ class ZeroEngine:
     def _make_gatherer(self) -> Gatherer:
         unit_of = {id(p): u for u in self.units for p in u.params}
         small = {u.index for u in self.units if u.layout.numel < self.config.param_persistence_threshold}
-        return Gatherer(build_needs(self.module, self.group_modules, unit_of), self.comm, self.config.prefetch,
+        return Gatherer(build_needs(self.module, self.group_modules, unit_of), self.comm.sibling(), self.config.prefetch,
                         small, members_of(self.module, self.group_modules))
 
     def _agree_order(self) -> Optional[list[int]]:
