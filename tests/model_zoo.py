@@ -192,3 +192,35 @@ def fit_zoo(rank: int, world: int, kind: str, strategy: str, probe: bool = False
 
 def fit_zoo_many(rank: int, world: int, runs: dict) -> dict:
     return {name: fit_zoo(rank, world, *args, **kwargs) for name, (args, kwargs) in runs.items()}
+
+
+class LiveBytes(pl.Callback):
+    """Before a step (gradients and optimizer state both alive): every live CPU tensor storage in the
+    process, found by ``gc``, beside the strategy's memory report — an independent measurement."""
+
+    def __init__(self) -> None:
+        self.seen: list[dict] = []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        if trainer.global_step < 1:
+            return
+        gc.collect()
+        storages: dict[int, int] = {}
+        for obj in gc.get_objects():
+            if isinstance(obj, torch.Tensor) and obj.device.type == "cpu":
+                storage = obj.untyped_storage()
+                storages[storage.data_ptr()] = storage.nbytes()
+        report = trainer.strategy.memory_report().as_dict()
+        self.seen.append({"live": sum(storages.values()), "report": report})
+
+
+def live_bytes_case(rank: int, world: int, stage: int) -> dict:
+    assert lightning_zero
+    pl.seed_everything(0, verbose=False)
+    module = ZooLM("plain")
+    probe = LiveBytes()
+    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=zoo_strategy(f"zero{stage}"), max_steps=3,
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, callbacks=[probe])
+    trainer.fit(module, zoo_data())
+    return {"seen": probe.seen}

@@ -104,3 +104,19 @@ def test_stage2_holds_at_most_two_gradient_buckets_beyond_the_filling_one(probes
                 continue
             assert _max(run, "bfloat16") <= 3, (kind, mode, run["seen_buffers"])
             assert _max(run, "float32") >= LAYERS  # stage 2 keeps its parameters: the probe does see buffers
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_memory_report_matches_live_storages(stage):
+    # what the report calls model state, against every live CPU tensor storage gc finds in the
+    # process at the same moment (the rest of the process holds a few KiB: data, RNG, metrics)
+    from model_zoo import live_bytes_case
+
+    for rank in run_ranks(live_bytes_case, 2, stage, lightning=True):
+        assert rank["seen"], "the probe never ran"
+        for seen in rank["seen"]:
+            report = seen["report"]
+            alive = report["model_state_bytes"] + report["comm_buffers_bytes"]
+            assert report["gradients_bytes"] > 0 and report["optimizer_state_bytes"] > 0
+            assert alive <= seen["live"] <= alive * 1.03 + 16384, (seen["live"], report)

@@ -32,6 +32,7 @@ class MemoryReport:
     formula_paper: int = 0
     formula_ours: int = 0
     peak_gathered: int = 0  # stage 3: the largest set of gathered groups alive at once
+    window_gradients: int = 0  # stage 1: full gradient buffers of the last window (freed by its reduction)
 
     @property
     def model_state(self) -> int:
@@ -41,7 +42,7 @@ class MemoryReport:
         return {"rank": self.rank, "world_size": self.world_size, "stage": self.stage, "num_params": self.num_params,
                 **{f"{k}_bytes": v for k, v in self.measured.items()}, "model_state_bytes": self.model_state,
                 "formula_paper_bytes": self.formula_paper, "formula_ours_bytes": self.formula_ours,
-                "peak_gathered_bytes": self.peak_gathered}
+                "peak_gathered_bytes": self.peak_gathered, "window_gradients_bytes": self.window_gradients}
 
     def format(self) -> str:
         n, w = self.num_params, self.world_size
@@ -56,6 +57,9 @@ class MemoryReport:
                      f"{_paper_text(self.stage)})")
         if self.stage >= 3:
             lines.append(f"  {'peak gathered':<16} {_fmt(self.peak_gathered):>12}   (stage-3 working set, not model state)")
+        if self.window_gradients:
+            lines.append(f"  {'window grads':<16} {_fmt(self.window_gradients):>12}   (stage 1: full gradients held while a "
+                         f"window accumulates, freed by its reduction)")
         return "\n".join(lines)
 
 
@@ -119,14 +123,13 @@ def memory_report(engine: ZeroEngine) -> MemoryReport:
     # last step held (the report is about model state, not about the moment it is read).
     if not any(u.grad_shard is not None for u in engine.units):
         measured["gradients"] += engine.grad_bytes_at_step
-    if not engine.config.shard_grads and not any(u.grad_full is not None for u in engine.units):
-        measured["gradients"] += engine.reducer.window_full_bytes  # stage 1's full buffers of the last window
     shard_elems = sum(u.layout.shard_numel for u in engine.units) or 1
     state_bytes_per_elem = measured["optimizer_state"] / shard_elems
     return MemoryReport(rank=engine.comm.rank, world_size=w, stage=stage, num_params=n, measured=measured,
                         formula_paper=int(_paper(stage, n, w)),
                         formula_ours=int(_ours(engine, n, w, state_bytes_per_elem)),
-                        peak_gathered=engine.gatherer.peak_gathered_bytes if engine.gatherer is not None else 0)
+                        peak_gathered=engine.gatherer.peak_gathered_bytes if engine.gatherer is not None else 0,
+                        window_gradients=0 if engine.config.shard_grads else engine.reducer.window_full_bytes)
 
 
 def _paper(stage: int, n: int, w: int) -> float:
@@ -135,12 +138,9 @@ def _paper(stage: int, n: int, w: int) -> float:
 
 def _ours(engine: ZeroEngine, n: int, w: int, k: float) -> float:
     p = torch.empty((), dtype=engine.compute_dtype).element_size()
-    a = torch.empty((), dtype=engine.reducer.policy.accum_dtype).element_size()
     kept_full = not engine.config.shard_params
     master = 0 if kept_full and p == 4 else 4  # fp32 compute with a kept full buffer: the master is a view of it
     per_rank = (master + 4 + k) * n / w  # fp32 master, fp32 gradient shard, optimizer state
     if engine.config.shard_params:  # no 16-bit shard is kept: gathers cast the master
         return per_rank
-    if engine.config.shard_grads:
-        return per_rank + p * n
-    return per_rank + (p + a) * n
+    return per_rank + p * n  # stage 1's full gradients are gone by the step (see window_gradients)
