@@ -8,6 +8,7 @@ save/restore full, world-size independent state.
 
 from __future__ import annotations
 
+import atexit
 import logging
 from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager
@@ -18,6 +19,7 @@ import torch
 import torch.distributed
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.utilities.distributed import (
+    _destroy_dist_connection,
     _distributed_is_initialized,
     _get_default_process_group_backend_for_device,
     _init_dist_connection,
@@ -135,7 +137,11 @@ class ZeroStrategy(ParallelStrategy):
         kwargs: dict[str, Any] = {"timeout": timedelta(seconds=self.config.collective_timeout_s)}
         if self.root_device.type != "cpu":
             kwargs["device_id"] = self.root_device
+        created = not _distributed_is_initialized()
         _init_dist_connection(self.cluster_environment, backend, **kwargs)
+        if created:  # a group we started is also ours to end: see [Note: destroy the group at exit]
+            _exit_hook.arm()
+        _exit_hook.clean = True
         self.comm = Comm.from_group(None)
 
     def set_world_ranks(self) -> None:
@@ -335,6 +341,12 @@ class ZeroStrategy(ParallelStrategy):
                 callback.on_fit_start(trainer, self.lightning_module)
 
     # ---- teardown ---------------------------------------------------------------------------------
+    def on_exception(self, exception: BaseException) -> None:
+        # Collectives of ours may still be in flight (the exception interrupted a backward): at exit
+        # destroying the group would wait for them, i.e. for peers that will never join them.
+        _exit_hook.clean = False
+        super().on_exception(exception)
+
     def teardown(self) -> None:
         self._release_engine()
         super().teardown()
@@ -343,7 +355,24 @@ class ZeroStrategy(ParallelStrategy):
         """Hand the module back as plain parameters holding the trained values."""
         if self.engine is not None:
             self.engine.unflatten()
+            self._end_gather_group(self.engine)
             self._released, self.engine = self.engine, None
+
+    def _end_gather_group(self, engine: ZeroEngine) -> None:
+        """Destroy the process group stage 3 gathered on (``Comm.sibling``: one per engine).
+
+        Its gloo worker threads live as long as the group object does, so the released engine must
+        not keep it: otherwise every fit/validate/test would leave a group behind, and the last
+        one would be torn down only during interpreter finalization, where a worker that still
+        frees a finished all-gather's tensors aborts the process (see [Note: destroy the group at
+        exit]). Not a collective: every rank's gathers were waited before unflatten's all-gathers.
+        """
+        gatherer = engine.gatherer
+        if gatherer is None or gatherer.comm.group is None or gatherer.comm.group is self.comm.group:
+            return
+        group, gatherer.comm = gatherer.comm.group, engine.comm  # the released engine gathers no more
+        if _distributed_is_initialized():
+            torch.distributed.destroy_process_group(group)
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
@@ -351,6 +380,41 @@ class ZeroStrategy(ParallelStrategy):
                             (3, "optimizer state, gradients and parameters")):
             strategy_registry.register(f"zero{stage}", cls, description=f"ZeRO stage {stage}: shards {what}",
                                        config=ZeroConfig(stage=stage))
+
+
+class _ExitHook:
+    """[Note: destroy the group at exit]
+    gloo runs each collective on one of its worker threads, and that thread drops its reference
+    to the finished work (and so to the tensors the work moved) only after ``wait()`` has already
+    returned in Python. Our collectives move tensors created in Python, and freeing those takes
+    the GIL. A job ends milliseconds after its last collective (teardown gathers the full
+    parameters, then the script returns), so on a busy host a late gloo worker can ask for the
+    GIL after interpreter finalization has begun: CPython then ends that thread with
+    ``pthread_exit``, whose forced unwind through a ``noexcept`` C++ destructor calls
+    ``std::terminate`` ("terminate called without an active exception", SIGABRT) in a job that
+    had finished (core dump: ``ProcessGroupGloo::runLoop`` -> ``~AsyncAllgatherWork`` ->
+    ``TensorImpl::decref_pyobject`` -> ``take_gil`` -> ``PyThread_exit_thread``). Destroying the
+    group in an atexit handler, while the interpreter is still whole, joins gloo's workers
+    before finalization. Lightning registers the same handler, for NCCL groups only; a second
+    call is a no-op. After an exception we leave the group alone: destroying it would wait for
+    collectives still in flight, which peers may never join.
+    """
+
+    def __init__(self) -> None:
+        self.armed = False
+        self.clean = True
+
+    def arm(self) -> None:
+        if not self.armed:
+            self.armed = True
+            atexit.register(self._run)
+
+    def _run(self) -> None:
+        if self.clean:
+            _destroy_dist_connection()
+
+
+_exit_hook = _ExitHook()
 
 
 def _to_zero_precision(plugin: Precision, config: ZeroConfig) -> ZeroPrecision:
