@@ -53,7 +53,9 @@ def test_nccl_bf16_close_to_autocast(strategy, options):
 def test_fp16_loss_scaling_on_gpu_close_to_ddp():
     # Lightning's fp16 (autocast + GradScaler) on DDP as the reference: values, not only finiteness
     ref = fit_case(0, 1, "blocks", "ddp", precision="16-mixed", **LM)
-    run = fit_case(0, 1, "blocks", "zero3", precision="16-mixed", options=BLOCK, **LM)
+    # GradScaler halves the scale at every overflow; our default (DeepSpeed's) hysteresis of 2 absorbs the
+    # first one, which skips one more step than DDP at the start: match GradScaler here
+    run = fit_case(0, 1, "blocks", "zero3", precision="16-mixed", options=dict(BLOCK, hysteresis=1), **LM)
     assert run["global_step"] == ref["global_step"] > 0
     err = global_l2_err(run["state"], ref["state"])
     assert err < 1e-2, err
