@@ -102,7 +102,6 @@ class GradientReducer:
         self._unreduced = False  # stage 1: a no_sync backward accumulated gradients not reduced yet
         self._used: list[set[int]] = [set() for _ in range(n)]  # per window, this rank
         self._late: dict[int, torch.Tensor] = {}  # id(param) -> param holding a late gradient
-        self.finished_count = 0
         self.window_full_bytes = 0  # stage 1: bytes of full gradient buffers the current window allocated
         # where reduce-scatters were issued: while backward still ran (overlapped) or once it ended
         self.launches = {"during_backward": 0, "after_backward": 0}
@@ -287,12 +286,11 @@ class GradientReducer:
     def finish_backward(self) -> None:
         """End of a backward: take gradients no hook delivered, launch what is left, wait.
 
-        Also called by the caller when no hook fired at all (compare ``finished_count``
-        before and after a backward): every rank must still issue the same collectives.
+        Also called by the caller when no hook fired at all (``in_backward`` still True after
+        the backward): every rank must still issue the same collectives.
         """
         if not self._in_backward:
             self._start(lambda p: False)
-        self.finished_count += 1
         for unit in self.units:  # parameters unfrozen after the last begin_backward have no hook yet
             for param in unit.params:
                 if param.grad is not None and id(param) not in self._late:
