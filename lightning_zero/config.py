@@ -58,6 +58,9 @@ class ZeroConfig:
             error (instead of hanging when ranks disagree, e.g. uneven evaluation batches).
         broadcast_buffers: before each training forward that synchronizes gradients, every rank
             takes rank 0's buffers (BatchNorm statistics), exactly as DDP does by default.
+        checkpoint_format: "sharded" (default) writes a checkpoint directory in which every rank
+            writes only its own part, readable by any world size and stage; "full" gathers one
+            ordinary Lightning checkpoint file on rank 0 (for small models, or tools that need one file).
     """
 
     stage: int = 2
@@ -78,6 +81,7 @@ class ZeroConfig:
     activation_checkpointing: tuple[str, ...] = ()
     collective_timeout_s: float = 1800.0
     broadcast_buffers: bool = True
+    checkpoint_format: str = "sharded"
 
     def __post_init__(self) -> None:
         for name in ("wrap_modules", "activation_checkpointing"):
@@ -107,6 +111,8 @@ class ZeroConfig:
                "use at most 64 (DeepSpeed's default is 16, a scale of 65536)")
         _check(self.min_loss_scale <= 2.0**self.initial_scale_power or self.loss_scale > 0, "min_loss_scale",
                self.min_loss_scale, "keep it at or below 2**initial_scale_power")
+        _check(self.checkpoint_format in ("sharded", "full"), "checkpoint_format", self.checkpoint_format,
+               "use 'sharded' (a directory, every rank writes its part) or 'full' (one file from rank 0)")
         _check(self.collective_timeout_s > 0, "collective_timeout_s", self.collective_timeout_s,
                "use a positive number of seconds")
 
@@ -155,7 +161,7 @@ def _reject_unknown(values: dict[str, Any]) -> None:
             raise ZeroConfigError(f"Unknown ZeroConfig option '{key}'.{hint} Valid options: {', '.join(known)}.")
 
 
-_TYPES = {"int": (int,), "float": (int, float), "bool": (bool,), "Optional[str]": (str, type(None)),
+_TYPES = {"str": (str,), "int": (int,), "float": (int, float), "bool": (bool,), "Optional[str]": (str, type(None)),
           "tuple[str, ...]": (tuple,)}
 
 

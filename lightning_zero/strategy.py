@@ -13,11 +13,12 @@ import logging
 from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
 import torch.distributed
-from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, TorchCheckpointIO
 from lightning.fabric.utilities.distributed import (
     _destroy_dist_connection,
     _distributed_is_initialized,
@@ -35,6 +36,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 
+from .checkpoint import sharded
+from .checkpoint.files import CheckpointPathError
 from .collectives import Comm
 from .config import ZeroConfig, _reject_unknown
 from .engine import ZeroEngine
@@ -78,8 +81,9 @@ class ZeroStrategy(ParallelStrategy):
         self.engine: Optional[ZeroEngine] = None
         self.comm = Comm()
         self._init_rng: Optional[RngState] = None
-        self._released: Optional[ZeroEngine] = None  # the last fit's engine, for saving after fit returns
+        self._parked: Optional[ZeroEngine] = None  # stages 1/2: the last fit's shards, for saving after fit returns
         self._sync_buffers_next = True
+        self._final_report: Optional[MemoryReport] = None
 
     # ---- what Lightning asks of a parallel strategy ---------------------------------------
     @property
@@ -112,8 +116,10 @@ class ZeroStrategy(ParallelStrategy):
         # As under DDP, a checkpoint's weights and callback states load into the plain module before
         # setup (so a module's on_load_checkpoint runs before configure_optimizers) and the engine
         # shards those values. A model still on the meta device can only take them after setup.
+        # A stage-3 engine kept after fit holds the only copy of the weights (the module's parameters are
+        # placeholders): a checkpoint loaded then (test(ckpt_path=...)) goes into its shards.
         module = self.lightning_module
-        return module is not None and has_meta(module)
+        return module is not None and (has_meta(module) or self.engine is not None)
 
     @property
     def precision_plugin(self) -> ZeroPrecision:
@@ -155,7 +161,7 @@ class ZeroStrategy(ParallelStrategy):
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
-        if self.engine is None or (fitting and not self.engine.optimizers):
+        if self.engine is None or fitting or self.engine.module is not self.lightning_module:
             self._release_engine()
             self.model_to_device()
             if fitting:
@@ -167,6 +173,9 @@ class ZeroStrategy(ParallelStrategy):
             self.precision_plugin.attach(self.engine, self.root_device.type)
             if self.config.shard_params:
                 install_summary(trainer)
+        else:  # evaluation after fit (stage 3): the kept engine's shards are the model
+            self.model_to_device()
+            self.engine.restore_param_views()
         self.setup_precision_plugin()
 
     def model_to_device(self) -> None:
@@ -293,41 +302,103 @@ class ZeroStrategy(ParallelStrategy):
         return tensor
 
     # ---- state -------------------------------------------------------------------------------------
+    @property
+    def _state_engine(self) -> Optional[ZeroEngine]:
+        """The engine whose shards hold the weights: the live one, or the last fit's (stages 1/2)."""
+        engine = self.engine or self._parked
+        return engine if engine is not None and engine.units else None
+
+    @property
+    def _sharded_checkpoints(self) -> bool:
+        return self.config.checkpoint_format == "sharded" and self._state_engine is not None
+
     def memory_report(self) -> MemoryReport:
         """Per-rank model-state bytes (measured) beside the ZeRO formulas (after fit: its last state)."""
-        engine = self.engine or self._released
+        if self.engine is None:
+            if self._final_report is None:
+                raise RuntimeError("memory_report() needs a set-up strategy: call it during or after trainer.fit().")
+            return self._final_report
+        return memory_report(self.engine)
+
+    def full_state_dict(self, rank0_only: bool = True) -> dict[str, Tensor]:
+        """The trained model's full state dict (fp32 master values, the module's keys) on the CPU.
+
+        A collective: call it on every rank. Units are gathered one at a time, so no rank's device
+        holds more than one unit beyond its shard; only rank 0 keeps the result (other ranks get
+        ``{}``) unless ``rank0_only=False``. Before any fit: the module's own state dict.
+        """
+        engine = self._state_engine
         if engine is None:
-            raise RuntimeError("memory_report() needs a set-up strategy: call it during or after trainer.fit().")
-        return memory_report(engine)
+            return {k: v.detach().cpu() for k, v in self.lightning_module.state_dict().items()}
+        return full_model_state(engine, keep=self.is_global_zero or not rank0_only)
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """Full state dict (fp32 master values, same keys as ``module.state_dict()``).
-
-        Call it on every rank (it gathers). Stages 1/2 return it on every rank; stage 3 on rank 0
-        only (other ranks get ``{}``), so that a model too big for one rank is not copied into
-        every rank's host memory.
-        """
-        if self.engine is None or not self.engine.units:
+        """The module's state for a checkpoint: this rank's pieces (sharded format, no gathering) or
+        the full fp32 state dict (``checkpoint_format="full"``: stages 1/2 on every rank, stage 3 on
+        rank 0 only, so that a model too big for one rank is not copied into every rank's memory)."""
+        engine = self._state_engine
+        if engine is None:
             return super().lightning_module_state_dict()
-        return full_model_state(self.engine, keep=self.is_global_zero or not self.config.shard_params)
-
-    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        if self.engine is None or not self.engine.units:
-            return super().load_model_state_dict(checkpoint, strict)
-        load_model_state(self.engine, checkpoint["state_dict"], strict=strict)
+        if self._sharded_checkpoints:
+            return sharded.model_shards(engine)
+        return full_model_state(engine, keep=self.is_global_zero or not self.config.shard_params)
 
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        engine = self.engine or self._released
+        engine = self._state_engine
         if engine is None:
             return super().optimizer_state(optimizer)
+        if self._sharded_checkpoints:
+            return sharded.optimizer_shards(engine, optimizer)
         # as Lightning does for sharded optimizers: consolidated on rank 0, the rank that saves
         return full_optimizer_state(engine, optimizer, keep=self.is_global_zero)
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        """Sharded: every rank writes its part of directory ``filepath`` (atomically, see
+        ``checkpoint.files``). Full: rank 0 writes one file."""
+        if self._sharded_checkpoints:
+            if storage_options is not None:
+                raise TypeError("ZeroStrategy's sharded checkpoints take no storage_options; use "
+                                "checkpoint_format='full' to save through a CheckpointIO plugin.")
+            sharded.save(checkpoint, filepath, self.comm, sharded.describe_model(self._state_engine))
+            return
+        if Path(filepath).is_dir():
+            raise CheckpointPathError(f"Cannot write a one-file checkpoint to {filepath}: it is a directory (a sharded "
+                                      f"checkpoint?). Choose another path, or keep checkpoint_format='sharded'.")
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        """A sharded directory (any world size and stage wrote it) or a one-file checkpoint (read with
+        ``mmap``: no rank copies the whole file into memory)."""
+        path = Path(checkpoint_path)
+        if path.is_dir() or not path.exists():
+            checkpoint = sharded.read(path)  # names the missing / incomplete / foreign directory
+            if self.engine is None:  # before setup: straight into the module's own tensors
+                checkpoint["state_dict"] = sharded.load_into_module(checkpoint["state_dict"], self.lightning_module)
+            return checkpoint
+        if type(self.checkpoint_io) is not TorchCheckpointIO:
+            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        torch.cuda.empty_cache()
+        return torch.load(path, map_location="cpu", mmap=True, weights_only=bool(weights_only))
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        saved = checkpoint["state_dict"]
+        if isinstance(saved, sharded.SavedState):
+            if self.engine is None or not self.engine.units:
+                raise RuntimeError("A sharded checkpoint's weights load into a set-up engine; this is a bug.")
+            sharded.load_into_engine(saved, self.engine, strict=strict)
+            return
+        if self.engine is None or not self.engine.units:
+            return super().load_model_state_dict(checkpoint, strict)
+        load_model_state(self.engine, saved, strict=strict)
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         assert self.engine is not None
         self._replay_finetuning_restore()
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
-            load_optimizer_state(self.engine, optimizer, state)
+            if isinstance(state, sharded.SavedState):
+                sharded.load_optimizer(state, self.engine, optimizer)
+            else:
+                load_optimizer_state(self.engine, optimizer, state)
 
     def _replay_finetuning_restore(self) -> None:
         """Fine-tuning callbacks re-create the param groups they added in ``on_fit_start``. With a
@@ -348,15 +419,26 @@ class ZeroStrategy(ParallelStrategy):
         super().on_exception(exception)
 
     def teardown(self) -> None:
-        self._release_engine()
-        super().teardown()
+        """No rank gathers the model here. Stage 3 keeps its engine (the module stays sharded, and
+        validate/test/predict after fit run sharded); stages 1/2 give the module back with its
+        trained parameters in place and keep only their shards (for saving after fit)."""
+        engine = self.engine
+        if engine is not None and engine.units:
+            self._final_report = memory_report(engine)
+        if engine is not None and not self.config.shard_params:
+            engine.park()
+            self._parked, self.engine = engine, None
+        super().teardown()  # moves the module (and the optimizer state) to the CPU, as under DDP
+        if self._parked is not None:
+            self._parked.drop_full()
 
     def _release_engine(self) -> None:
-        """Hand the module back as plain parameters holding the trained values."""
+        """Before a new engine: hand the module back as plain parameters holding the trained values."""
+        self._parked = None
         if self.engine is not None:
-            self.engine.unflatten()
+            self.engine.unflatten(torch.device("cpu"))  # one unit at a time on the device; model_to_device follows
             self._end_gather_group(self.engine)
-            self._released, self.engine = self.engine, None
+            self.engine = None
 
     def _end_gather_group(self, engine: ZeroEngine) -> None:
         """Destroy the process group stage 3 gathered on (``Comm.sibling``: one per engine).

@@ -72,7 +72,7 @@ class _StateAtEnd(Callback):
 
     def on_train_end(self, trainer, pl_module):
         self.state = {k: v.detach().float().cpu().clone()
-                      for k, v in trainer.strategy.lightning_module_state_dict().items()}
+                      for k, v in trainer.strategy.full_state_dict(rank0_only=trainer.strategy.config.shard_params).items()}
         if self.save_to is not None:
             trainer.save_checkpoint(self.save_to)  # on every rank: gathers the shards; rank 0 writes
 
@@ -103,10 +103,18 @@ def fit_steps(world: int, strategy: str, steps: int, ckpt_in: str | None = None,
     out = {"state": end.state, "global_step": trainer.global_step, "sched": sched.state_dict(),
            "lrs": [g["lr"] for g in trainer.optimizers[0].param_groups], "losses": list(module.losses),
            "seen_steps": list(module.seen_steps), "seen_scales": list(module.seen_scales),
-           "final": {k: v.detach().float().cpu().clone() for k, v in module.state_dict().items()}}
+           "final": final_state(trainer, module, strategy)}
     scaler = getattr(trainer.precision_plugin, "scaler", None)
     out["scaler"] = dict(scaler.state_dict()) if scaler is not None else None
     return out
+
+
+def final_state(trainer, module, strategy: str) -> dict:
+    """What the user gets after fit: stages 1/2 and DDP hand the module back with its trained values;
+    stage 3 keeps it sharded, and the strategy streams the full state dict to rank 0 (``{}`` elsewhere)."""
+    if strategy == "zero3":
+        return {k: v.float().clone() for k, v in trainer.strategy.full_state_dict().items()}
+    return {k: v.detach().float().cpu().clone() for k, v in module.state_dict().items()}
 
 
 def guarded(fn, *args, **kwargs) -> dict:
@@ -128,7 +136,7 @@ def modelcheckpoint_case(world: int, dirpath: str, first: int, total: int) -> di
     cb = ModelCheckpoint(dirpath=dirpath, save_last=True, every_n_train_steps=2, save_top_k=-1)
     first_run = fit_steps(world, "zero2", first, callbacks=[cb], ckpt_dir=dirpath)
     files = sorted(os.listdir(dirpath))
-    saved_step = torch.load(os.path.join(dirpath, "last.ckpt"), weights_only=False)["global_step"]
+    saved_step = torch.load(os.path.join(dirpath, "last.ckpt", "meta.pt"), weights_only=False)["global_step"]
     cb2 = ModelCheckpoint(dirpath=dirpath, save_last=True, every_n_train_steps=2, save_top_k=-1)
     resumed = fit_steps(world, "zero2", total, ckpt_in="last", callbacks=[cb2], ckpt_dir=dirpath)
     return {"first": first_run, "files": files, "resumed": resumed, "last_global_step": saved_step}
@@ -142,28 +150,40 @@ def _barrier() -> None:
         torch.distributed.barrier()
 
 
+FULL = dict(options=dict(checkpoint_format="full"))
+
+
 def world2_cases(rank: int, world: int, d: str) -> dict:
-    """Everything that runs on two ranks, in one spawn (failing cases last)."""
+    """Everything that runs on two ranks, in one spawn (failing cases last).
+
+    Sharded directories (the default format) unless the name says ``full``."""
     out = {"a": fit_steps(world, "zero2", FIRST, save_to=f"{d}/a.ckpt"),
            "ref": fit_steps(world, "zero2", TOTAL),
            "resumed": fit_steps(world, "zero2", TOTAL, ckpt_in=f"{d}/a.ckpt"),
            "zero1_resumed": fit_steps(world, "zero1", TOTAL, ckpt_in=f"{d}/a.ckpt"),
            "last": modelcheckpoint_case(world, f"{d}/mc", 4, TOTAL),
-           # stage 3 writes the same world-size independent file: across stages both ways
+           # the same world-size and stage independent pieces: across stages both ways
            "z3_a": fit_steps(world, "zero3", FIRST, save_to=f"{d}/z3.ckpt"),
+           "z3_resumed": fit_steps(world, "zero3", TOTAL, ckpt_in=f"{d}/z3.ckpt"),
            "z3_from_z2": fit_steps(world, "zero3", TOTAL, ckpt_in=f"{d}/a.ckpt"),
-           "z2_from_z3": fit_steps(world, "zero2", TOTAL, ckpt_in=f"{d}/z3.ckpt")}
+           "z2_from_z3": fit_steps(world, "zero2", TOTAL, ckpt_in=f"{d}/z3.ckpt"),
+           "z1_a": fit_steps(world, "zero1", FIRST, save_to=f"{d}/z1.ckpt")}
+    out["z3_from_z1"] = fit_steps(world, "zero3", TOTAL, ckpt_in=f"{d}/z1.ckpt")
     fp16 = dict(plugin="16-mixed", options=dict(initial_scale_power=8, hysteresis=1), inject=(1,))
     out["fp16_a"] = fit_steps(world, "zero2", 4, save_to=f"{d}/fp16.ckpt", **fp16)
     out["fp16_ref"] = fit_steps(world, "zero2", 7, **fp16)
     out["fp16_resumed"] = fit_steps(world, "zero2", 7, ckpt_in=f"{d}/fp16.ckpt", **fp16)
+    # one-file checkpoints (checkpoint_format="full") keep working, into every stage
+    out["full_a"] = fit_steps(world, "zero2", FIRST, save_to=f"{d}/full.ckpt", **FULL)
+    out["full_resumed"] = fit_steps(world, "zero2", TOTAL, ckpt_in=f"{d}/full.ckpt")
+    out["z3_from_full"] = fit_steps(world, "zero3", TOTAL, ckpt_in=f"{d}/full.ckpt")
     if rank == 0:
-        drop_key(f"{d}/a.ckpt", f"{d}/missing.ckpt", "fc1.bias")
+        drop_key(f"{d}/full.ckpt", f"{d}/missing.ckpt", "fc1.bias")
     _barrier()
     out["missing_key"] = guarded(fit_steps, world, "zero2", TOTAL, ckpt_in=f"{d}/missing.ckpt")
     out["ddp_written"] = fit_steps(world, "ddp", FIRST, save_to=f"{d}/ddp.ckpt")
     out["ddp_to_zero"] = guarded(fit_steps, world, "zero2", TOTAL, ckpt_in=f"{d}/ddp.ckpt")
-    out["zero_to_ddp"] = guarded(fit_steps, world, "ddp", TOTAL, ckpt_in=f"{d}/a.ckpt")
+    out["zero_to_ddp"] = guarded(fit_steps, world, "ddp", TOTAL, ckpt_in=f"{d}/full.ckpt")
     return out
 
 

@@ -191,7 +191,7 @@ def test_loss_scale_at_minimum_error_names_parameters_and_bf16():
 def test_state_dict_after_fit_is_the_trained_module():
     module = TinyLM()
     trainer = _fit(module)
-    state = trainer.strategy.lightning_module_state_dict()
+    state = trainer.strategy.full_state_dict(rank0_only=trainer.strategy.config.shard_params)
     assert state.keys() == module.state_dict().keys()
     assert all(torch.equal(state[k], v) for k, v in module.state_dict().items())
 
@@ -206,7 +206,7 @@ class _StateProbe(Callback):
     def on_train_end(self, trainer, pl_module):
         module_sd = pl_module.state_dict()
         self.module_meta = {k: (tuple(v.shape), str(v.dtype)) for k, v in module_sd.items()}
-        self.full = {k: v.detach().clone() for k, v in trainer.strategy.lightning_module_state_dict().items()}
+        self.full = {k: v.detach().clone() for k, v in trainer.strategy.full_state_dict(rank0_only=trainer.strategy.config.shard_params).items()}
 
 
 class _MemoryProbe(Callback):

@@ -31,6 +31,7 @@ from .flat_unit import FlatUnit, UnitState
 from .gather import Gatherer
 from .grads import GradientReducer, ReducePolicy
 from .groups import build_needs, group_lookup, group_modules, members_of, owner_of
+from .guard import install_state_dict_guard
 from .materialize import RngState, check_no_meta_left, has_meta, materialize_module
 from .optim import adopt, check_optimizer, pieces_in_groups, release, unwrap
 from .readiness import ForwardOrder
@@ -92,6 +93,7 @@ class ZeroEngine:
         self._wrappers = {id(o): [w for w in wrappers if unwrap(w) is o] for o in self.optimizers}
         for optimizer in self.optimizers:
             adopt(optimizer, self.optimizer_step, self.zero_grad, self._wrappers[id(optimizer)])
+        self._guards = install_state_dict_guard(module, self.units) if config.shard_params else []
 
     # ---- construction -------------------------------------------------------------------------
     def _check_params(self, k: int, optimizer: torch.optim.Optimizer) -> None:
@@ -382,12 +384,19 @@ class ZeroEngine:
         for unit in touched.values():
             unit.release_grad_shard_if_unused()
         if publish:
-            # Stages 1/2 keep every unit gathered; stage 3 refreshes the ones gathered now (persistent
-            # small units, a held root). The others are gathered from the new shards at their next use.
-            stale = [u for _, u in sorted(touched.items()) if u.state is UnitState.UNSHARDED]
-            handles = [self.comm.all_gather(u.full, u.gather_source(), async_op=True) for u in stale]
-            for handle in handles:
-                handle.wait()
+            self.republish([u for _, u in sorted(touched.items())])
+
+    @torch.no_grad()
+    def republish(self, units: Optional[Iterable[FlatUnit]] = None) -> None:
+        """Refresh the full values of gathered units from their (new) master shards.
+
+        Stages 1/2 keep every unit gathered; stage 3 refreshes the ones gathered now (persistent
+        small units, a held root). The others are gathered from the new shards at their next use.
+        """
+        stale = [u for u in (self.units if units is None else units) if u.state is UnitState.UNSHARDED]
+        handles = [self.comm.all_gather(u.full, u.gather_source(), async_op=True) for u in stale]
+        for handle in handles:
+            handle.wait()
 
     # ---- teardown -------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -400,8 +409,51 @@ class ZeroEngine:
                 param.grad = None
             unit.full = None
 
+    @torch.no_grad()
+    def park(self) -> None:
+        """After fit (stages 1/2): the module gets its trained fp32 parameters back, full on every rank as
+        under DDP; the engine keeps only this rank's fp32 master shard, moved to host memory, and the
+        optimizer state, so that a checkpoint can still be saved.
+
+        With fp32 compute the module's parameters already hold the master values: nothing is gathered
+        (Lightning's teardown then copies them to the CPU). With bf16/fp16 compute the fp32 masters are
+        gathered one unit at a time straight into host memory, so no device holds the fp32 model.
+        """
+        self.detach()
+        if self.compute_dtype != torch.float32:
+            for unit, full in self.gather_masters():
+                for param, view in zip(unit.params, unit.param_views(full)):
+                    param.data = view.to("cpu", copy=True)
+        for unit in self.units:
+            master = unit.master.detach().to("cpu", copy=True)
+            for piece, where in zip(unit.pieces, unit.piece_of):
+                if piece is not None:
+                    piece.data = master[where.shard_start:where.shard_start + where.length]
+                    piece.grad = None
+            unit.master, unit.grad_shard, unit.grad_full = master, None, None
+            for param in unit.params:
+                param.grad = None
+
+    def drop_full(self) -> None:
+        """Forget the flat compute buffers once the module holds its parameters elsewhere (after park)."""
+        for unit in self.units:
+            unit.full, unit.views = None, []
+
+    def restore_param_views(self) -> None:
+        """Point parameters at the engine's buffers again after something replaced their ``.data``
+        (Lightning's teardown moves the module to the CPU; evaluation after fit moves it back)."""
+        for unit in self.units:
+            if unit.state is UnitState.UNSHARDED:
+                unit.point_params_at_full()
+            else:
+                for param, placeholder in zip(unit.params, unit.placeholders):
+                    param.data = placeholder
+
     def detach(self) -> None:
         """Remove every hook and give the optimizers their own methods back."""
+        for handle in self._guards:
+            handle.remove()
+        self._guards = []
         self.reducer.wait_all()
         self.reducer.remove_hooks()
         if self.gatherer is not None:
@@ -415,5 +467,5 @@ class ZeroEngine:
         """Yield each unit with its full fp32 values (one unit's full buffer alive at a time)."""
         for unit in self.units:
             full = torch.empty(unit.layout.padded_numel, dtype=torch.float32, device=self.device)
-            self.comm.all_gather(full, unit.master.detach(), async_op=False)
+            self.comm.all_gather(full, unit.master.detach().to(self.device), async_op=False)
             yield unit, full

@@ -19,6 +19,7 @@ from torch import nn
 
 from .engine import ZeroEngine
 from .flat_unit import FlatUnit, UnitState
+from .guard import allow_state_dict
 from .optim import unwrap
 
 __all__ = ["full_model_state", "load_model_state", "full_optimizer_state", "load_optimizer_state", "FORMAT"]
@@ -45,8 +46,10 @@ def full_model_state(engine: ZeroEngine, keep: bool = True) -> dict[str, torch.T
     module = engine.module
     keys = _keys_of(module)
     managed = {id(p) for u in engine.units for p in u.params}
+    with allow_state_dict():
+        plain = module.state_dict(keep_vars=True)
     state = {k: v.detach().cpu() if not isinstance(v, torch.Tensor) or id(v) not in managed else None
-             for k, v in module.state_dict(keep_vars=True).items()}
+             for k, v in plain.items()}
     for unit, full in engine.gather_masters():
         if not keep:
             continue
@@ -63,7 +66,8 @@ def load_model_state(engine: ZeroEngine, state: dict[str, torch.Tensor], strict:
     module = engine.module
     keys = _keys_of(module)
     expected = {k for ks in keys.values() for k in ks} | {k for k, _ in module.named_buffers()}
-    expected |= set(module.state_dict().keys())
+    with allow_state_dict():
+        expected |= set(module.state_dict(keep_vars=True).keys())
     missing, unexpected = sorted(expected - state.keys()), sorted(state.keys() - expected)
     if strict and (missing or unexpected):
         raise KeyError(f"Checkpoint does not match the model: missing keys {missing[:10]}, "
