@@ -40,6 +40,7 @@ from .checkpoint import sharded
 from .checkpoint.files import CheckpointPathError
 from .collectives import Comm
 from .config import ZeroConfig, _reject_unknown
+from .elastic import attempt_store
 from .engine import ZeroEngine
 from .engine.materialize import RngState, has_meta
 from .engine.memory import MemoryReport, memory_report
@@ -144,6 +145,9 @@ class ZeroStrategy(ParallelStrategy):
         if self.root_device.type != "cpu":
             kwargs["device_id"] = self.root_device
         created = not _distributed_is_initialized()
+        store = attempt_store(kwargs["timeout"]) if created else None  # see [Note: one store per attempt]
+        if store is not None:
+            kwargs["store"] = store
         _init_dist_connection(self.cluster_environment, backend, **kwargs)
         if created:  # a group we started is also ours to end: see [Note: destroy the group at exit]
             _exit_hook.arm()

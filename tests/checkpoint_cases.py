@@ -17,6 +17,7 @@ import os
 
 import lightning.pytorch as pl
 import torch
+from dist_utils import full_state
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning_cases import TinyLM
 from torch.utils.data import DataLoader, TensorDataset
@@ -72,7 +73,7 @@ class _StateAtEnd(Callback):
 
     def on_train_end(self, trainer, pl_module):
         self.state = {k: v.detach().float().cpu().clone()
-                      for k, v in trainer.strategy.full_state_dict(rank0_only=trainer.strategy.config.shard_params).items()}
+                      for k, v in full_state(trainer).items()}
         if self.save_to is not None:
             trainer.save_checkpoint(self.save_to)  # on every rank: gathers the shards; rank 0 writes
 

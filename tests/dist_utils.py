@@ -70,3 +70,12 @@ def run_ranks(fn, world: int, *args, timeout: float = 300.0, lightning: bool = F
             if p.is_alive():
                 p.kill()
     return [results[r] for r in range(world)]
+
+
+def full_state(trainer) -> dict:
+    """The trained full state dict as each rank sees it: ZeroStrategy gathers it (stage 3 to rank 0
+    only, ``{}`` elsewhere); other strategies (DDP) hold it in the module."""
+    strategy = trainer.strategy
+    if hasattr(strategy, "full_state_dict"):
+        return strategy.full_state_dict(rank0_only=strategy.config.shard_params)
+    return trainer.lightning_module.state_dict()

@@ -11,6 +11,7 @@ import math
 import lightning.pytorch as pl
 import torch
 import torchmetrics
+from dist_utils import full_state
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -66,7 +67,7 @@ class TinyLM(pl.LightningModule):
         # the full state, gathered like a checkpoint would be: stage 3 holds only shards (and
         # returns the full state on rank 0 only)
         if isinstance(self.trainer.strategy, ZeroStrategy):
-            weight = self.trainer.strategy.full_state_dict(rank0_only=self.trainer.strategy.config.shard_params).get("norm.weight", torch.zeros(4))
+            weight = full_state(self.trainer).get("norm.weight", torch.zeros(4))
         else:
             weight = self.norm.weight
         self.param_trace.append(weight.detach().float().flatten()[:4].clone())
@@ -266,7 +267,7 @@ class _Probe(pl.Callback):
         pl_module.seen["rss_after_setup"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         pl_module.seen["meta_left"] = any(p.is_meta for p in pl_module.parameters())
         # stage 3 returns the full state on rank 0 only; the test reads rank 0's
-        pl_module.seen["state"] = {k: v.clone() for k, v in trainer.strategy.full_state_dict(rank0_only=trainer.strategy.config.shard_params).items()}
+        pl_module.seen["state"] = {k: v.clone() for k, v in full_state(trainer).items()}
         pl_module.seen["tied"] = pl_module.net[0].weight is pl_module.net[-1].weight
 
 

@@ -9,6 +9,8 @@ Checkpoints are written at the end of training from ``on_train_end`` on every ra
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from checkpoint_cases import FIRST, TOTAL, fit_steps, world2_cases, world4_cases
@@ -47,7 +49,8 @@ def assert_resumed_like(run: dict, ref: dict) -> None:
     if run["state"] and ref["state"]:  # stage 3 gives the gathered state dict to rank 0 only
         err = state_err(run["state"], ref["state"])
         assert err <= TOL, f"resumed parameters differ from the uninterrupted run by {err:.2e}"
-    assert state_err(run["final"], ref["final"]) <= TOL  # the module handed back after teardown
+    if run["final"]:  # stages 1/2: the module handed back after teardown; stage 3: full_state_dict() on rank 0
+        assert state_err(run["final"], ref["final"]) <= TOL
     assert run["global_step"] == ref["global_step"] == TOTAL
     assert run["sched"] == ref["sched"]
     assert run["sched"]["last_epoch"] == TOTAL  # the scheduler really stepped per step (not left at 0)
@@ -57,9 +60,25 @@ def assert_resumed_like(run: dict, ref: dict) -> None:
     assert max(abs(a - b) / abs(b) for a, b in zip(run["losses"], ref["losses"][FIRST:])) <= TOL
 
 
+def test_sharded_directory_holds_one_part_per_rank(world2, ckpt_dir):
+    d = Path(ckpt_dir) / "a.ckpt"
+    files = sorted(p.name for p in d.iterdir())
+    assert files == [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"]
+    assert not any(p.name.endswith((".partial", ".old")) for p in Path(ckpt_dir).iterdir())
+    parts = [(d / f"__{r}_0.distcp").stat().st_size for r in (0, 1)]
+    # each rank wrote about half of the weights + AdamW moments (12 bytes a parameter in fp32)
+    numel = sum(v.numel() for k, v in world2[0]["a"]["state"].items() if k != "head.weight")  # head tied to emb
+    assert 0.4 < parts[0] / sum(parts) < 0.6
+    assert 12 * numel <= sum(parts)  # (plus per-tensor headers, large at this size)
+    meta = torch.load(d / "meta.pt", weights_only=False)
+    assert meta["global_step"] == FIRST and "state_dict" not in meta
+    assert meta["lightning_zero"]["aliases"] == {"head.weight": "emb.weight"}
+    assert (d / "meta.pt").stat().st_size < 0.25 * sum(parts)  # the tensors are in the parts
+
+
 def test_checkpoint_file_holds_full_fp32_state(world2, ckpt_dir):
-    ckpt = torch.load(f"{ckpt_dir}/a.ckpt", weights_only=False)
-    ref = world2[0]["a"]["state"]
+    ckpt = torch.load(f"{ckpt_dir}/full.ckpt", weights_only=False)
+    ref = world2[0]["full_a"]["state"]
     sd = ckpt["state_dict"]
     assert sd.keys() == ref.keys() and {"emb.weight", "head.weight"} <= sd.keys()  # tied: both keys
     assert all(sd[k].shape == ref[k].shape and sd[k].dtype == torch.float32 for k in sd)
@@ -77,6 +96,7 @@ def test_checkpoint_file_holds_full_fp32_state(world2, ckpt_dir):
 def test_resume_same_world_size(world2):
     for r in world2:
         assert_resumed_like(r["resumed"], r["ref"])
+        assert_resumed_like(r["z3_resumed"], r["ref"])
     assert state_err(world2[0]["resumed"]["state"], world2[1]["resumed"]["state"]) == 0.0
 
 
@@ -101,8 +121,16 @@ def test_stage3_checkpoints_move_between_stages_and_world_sizes(world2, world4):
     for r in world2:
         assert_resumed_like(r["z3_from_z2"], r["ref"])  # zero2 file -> zero3
         assert_resumed_like(r["z2_from_z3"], r["ref"])  # zero3 file -> zero2
+        assert_resumed_like(r["z3_from_z1"], r["ref"])  # zero1 dir -> zero3
     for r in world4:
         assert_resumed_like(r["z3_from2"], r["ref"])  # zero3 on 2 ranks -> zero3 on 4
+
+
+def test_one_file_checkpoints_still_load_into_every_stage(world2):
+    for r in world2:
+        assert state_err(r["full_a"]["state"], r["a"]["state"]) == 0.0
+        assert_resumed_like(r["full_resumed"], r["ref"])
+        assert_resumed_like(r["z3_from_full"], r["ref"])
 
 
 def test_resume_on_four_ranks(world4):
@@ -156,8 +184,11 @@ def test_zero_checkpoint_resumes_under_ddp(world2):
         assert_resumed_like(case["ok"], r["ref"])
 
 
-def test_save_checkpoint_after_fit_returns(tmp_path):
-    path = str(tmp_path / "after.ckpt")
-    fit_steps(1, "zero2", 2, save_after_fit=path)
-    ckpt = torch.load(path, weights_only=False)
-    assert ckpt["global_step"] == 2 and "fc1.weight" in ckpt["state_dict"]
+@pytest.mark.parametrize("strategy", ["zero2", "zero3"])
+def test_save_checkpoint_after_fit_returns(tmp_path, strategy):
+    run = fit_steps(1, strategy, 2, save_after_fit=str(tmp_path / "after.ckpt"))
+    assert torch.load(tmp_path / "after.ckpt" / "meta.pt", weights_only=False)["global_step"] == 2
+    full = fit_steps(1, strategy, 2, save_after_fit=str(tmp_path / "full.ckpt"), options={"checkpoint_format": "full"})
+    ckpt = torch.load(tmp_path / "full.ckpt", weights_only=False)
+    assert ckpt["global_step"] == 2 and state_err(ckpt["state_dict"], full["state"]) == 0.0
+    assert state_err(run["state"], full["state"]) == 0.0

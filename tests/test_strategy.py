@@ -13,7 +13,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torchmetrics
-from dist_utils import run_ranks
+from dist_utils import full_state, run_ranks
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import StrategyRegistry
 from lightning_cases import TinyLM, lm_data
@@ -191,7 +191,7 @@ def test_loss_scale_at_minimum_error_names_parameters_and_bf16():
 def test_state_dict_after_fit_is_the_trained_module():
     module = TinyLM()
     trainer = _fit(module)
-    state = trainer.strategy.full_state_dict(rank0_only=trainer.strategy.config.shard_params)
+    state = full_state(trainer)
     assert state.keys() == module.state_dict().keys()
     assert all(torch.equal(state[k], v) for k, v in module.state_dict().items())
 
@@ -206,7 +206,7 @@ class _StateProbe(Callback):
     def on_train_end(self, trainer, pl_module):
         module_sd = pl_module.state_dict()
         self.module_meta = {k: (tuple(v.shape), str(v.dtype)) for k, v in module_sd.items()}
-        self.full = {k: v.detach().clone() for k, v in trainer.strategy.full_state_dict(rank0_only=trainer.strategy.config.shard_params).items()}
+        self.full = {k: v.detach().clone() for k, v in full_state(trainer).items()}
 
 
 class _MemoryProbe(Callback):

@@ -1,0 +1,104 @@
+"""A sharded checkpoint directory -> one ordinary Lightning checkpoint, or a plain state dict.
+
+Runs in one process without a process group. Every tensor is read from the directory when
+the writer reaches it (:mod:`.stream`), so memory stays about the size of the largest tensor.
+The optimizer state comes out in torch's own format with the parameter names beside it, the
+same as ``checkpoint_format="full"`` writes: DDP, a plain optimizer or any stage loads it.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from ..engine.state import FORMAT as FULL_FORMAT
+from .files import META_FILE, CheckpointPathError, check_complete
+from .sharded import FORMAT, MODEL, OPTIM
+from .stream import LazyTensor, save_streaming
+
+__all__ = ["consolidated", "write_checkpoint", "write_weights"]
+
+
+class _Reader:
+    def __init__(self, path: Path, metadata: Any) -> None:
+        self.path, self.metadata = path, metadata
+
+    def lazy(self, key: str, shape: Any) -> LazyTensor:
+        md = self.metadata.state_dict_metadata[key]
+        return LazyTensor(shape, md.properties.dtype, lambda: self._read(key).view(shape))
+
+    def _read(self, key: str) -> torch.Tensor:
+        md = self.metadata.state_dict_metadata[key]
+        out = torch.empty(md.size, dtype=md.properties.dtype)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*single process.*")
+            dcp.load({key: out}, storage_reader=dcp.FileSystemReader(str(self.path)), no_dist=True)
+        return out
+
+
+def consolidated(path: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(checkpoint, state_dict): the Lightning checkpoint with lazy tensors, and its model state dict."""
+    path = Path(path)
+    metadata = check_complete(path)
+    meta = torch.load(path / META_FILE, map_location="cpu", weights_only=False)
+    lz = meta.get("lightning_zero", {})
+    if lz.get("format") != FORMAT:
+        raise CheckpointPathError(f"{path} is not a lightning_zero sharded checkpoint (no '{FORMAT}' in meta.pt).")
+    reader = _Reader(path, metadata)
+    state_dict: dict[str, Any] = {}
+    for key, md in metadata.state_dict_metadata.items():
+        if key.startswith(MODEL) and hasattr(md, "size"):
+            name = key[len(MODEL):]
+            state_dict[name] = reader.lazy(key, lz["params"].get(name, md.size))
+    for alias, name in lz["aliases"].items():
+        state_dict[alias] = state_dict[name]
+    state_dict.update(meta.get("state_dict_extra", {}))
+    checkpoint = {k: v for k, v in meta.items() if k not in ("lightning_zero", "state_dict_extra", "optimizer_states")}
+    checkpoint["state_dict"] = state_dict
+    if "optimizer_states" in meta:
+        checkpoint["optimizer_states"] = [_optimizer(reader, info, i, lz["params"])
+                                          for i, info in enumerate(meta["optimizer_states"])]
+    return checkpoint, state_dict
+
+
+def _optimizer(reader: _Reader, info: dict[str, Any], index: int, shapes: dict[str, list[int]]) -> dict[str, Any]:
+    """torch's optimizer format: state by position in the param groups, per-element tensors full-shaped."""
+    saved = info["lightning_zero"]
+    names = saved["param_names"]
+    state: dict[int, dict[str, Any]] = {}
+    for position, name in enumerate(names):
+        entry = {key: reader.lazy(f"{OPTIM}{index}/{name}/{key}", shapes[name])
+                 for key in saved["elementwise"].get(name, {})}
+        entry.update(saved["scalars"].get(name, {}))
+        if entry:
+            state[position] = entry
+    elementwise = sorted({k for keys in saved["elementwise"].values() for k in keys})
+    return {"state": state, "param_groups": info["param_groups"],
+            "lightning_zero": {"format": FULL_FORMAT, "param_names": names, "elementwise": elementwise}}
+
+
+def _target(out: Any) -> Path:
+    out = Path(out)
+    if out.is_dir():
+        raise CheckpointPathError(f"Cannot write {out}: it is a directory. Give a file name (e.g. {out}/model.ckpt).")
+    if not out.parent.exists():
+        raise CheckpointPathError(f"Cannot write {out}: directory {out.parent} does not exist. Create it first.")
+    return out
+
+
+def write_checkpoint(src: Any, out: Any) -> int:
+    """One Lightning checkpoint file (what ``checkpoint_format="full"`` writes); returns tensor bytes."""
+    out = _target(out)
+    checkpoint, _ = consolidated(src)
+    return save_streaming(checkpoint, out)
+
+
+def write_weights(src: Any, out: Any) -> int:
+    """A plain ``state_dict`` (the module's keys, fp32) that ``module.load_state_dict`` takes."""
+    out = _target(out)
+    _, state_dict = consolidated(src)
+    return save_streaming(state_dict, out)
