@@ -44,7 +44,7 @@ from .elastic import attempt_store
 from .engine import ZeroEngine
 from .engine.materialize import RngState, has_meta
 from .engine.memory import MemoryReport, memory_report
-from .engine.state import full_model_state, full_optimizer_state, load_model_state, load_optimizer_state
+from .engine.state import check_keys, full_model_state, full_optimizer_state, load_model_state, load_optimizer_state
 from .precision.plugin import ZeroPrecision
 from .summary import install_summary
 
@@ -378,11 +378,13 @@ class ZeroStrategy(ParallelStrategy):
             checkpoint = sharded.read(path)  # names the missing / incomplete / foreign directory
             if self.engine is None:  # before setup: straight into the module's own tensors
                 checkpoint["state_dict"] = sharded.load_into_module(checkpoint["state_dict"], self.lightning_module)
-            return checkpoint
-        if type(self.checkpoint_io) is not TorchCheckpointIO:
-            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        torch.cuda.empty_cache()
-        return torch.load(path, map_location="cpu", mmap=True, weights_only=bool(weights_only))
+        elif type(self.checkpoint_io) is not TorchCheckpointIO:
+            checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        else:
+            torch.cuda.empty_cache()
+            checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=bool(weights_only))
+        checkpoint["_path"] = str(path)  # for error messages; Lightning ignores unknown keys
+        return checkpoint
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         saved = checkpoint["state_dict"]
@@ -392,6 +394,8 @@ class ZeroStrategy(ParallelStrategy):
             sharded.load_into_engine(saved, self.engine, strict=strict)
             return
         if self.engine is None or not self.engine.units:
+            if strict:
+                check_keys(self.lightning_module.state_dict().keys(), saved.keys(), checkpoint.get("_path"))
             return super().load_model_state_dict(checkpoint, strict)
         load_model_state(self.engine, saved, strict=strict)
 

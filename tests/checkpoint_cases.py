@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_zero
 from lightning_zero import ZeroConfig, ZeroPrecision, ZeroStrategy
+from lightning_zero.checkpoint.consolidate import write_checkpoint
 
 VOCAB = 37
 
@@ -180,11 +181,13 @@ def world2_cases(rank: int, world: int, d: str) -> dict:
     out["z3_from_full"] = fit_steps(world, "zero3", TOTAL, ckpt_in=f"{d}/full.ckpt")
     if rank == 0:
         drop_key(f"{d}/full.ckpt", f"{d}/missing.ckpt", "fc1.bias")
+        write_checkpoint(f"{d}/a.ckpt", f"{d}/consolidated.ckpt")
     _barrier()
     out["missing_key"] = guarded(fit_steps, world, "zero2", TOTAL, ckpt_in=f"{d}/missing.ckpt")
     out["ddp_written"] = fit_steps(world, "ddp", FIRST, save_to=f"{d}/ddp.ckpt")
     out["ddp_to_zero"] = guarded(fit_steps, world, "zero2", TOTAL, ckpt_in=f"{d}/ddp.ckpt")
     out["zero_to_ddp"] = guarded(fit_steps, world, "ddp", TOTAL, ckpt_in=f"{d}/full.ckpt")
+    out["consolidated_to_ddp"] = guarded(fit_steps, world, "ddp", TOTAL, ckpt_in=f"{d}/consolidated.ckpt")
     return out
 
 

@@ -192,3 +192,68 @@ def test_save_checkpoint_after_fit_returns(tmp_path, strategy):
     ckpt = torch.load(tmp_path / "full.ckpt", weights_only=False)
     assert ckpt["global_step"] == 2 and state_err(ckpt["state_dict"], full["state"]) == 0.0
     assert state_err(run["state"], full["state"]) == 0.0
+
+
+# ---- consolidation: a sharded directory -> one ordinary file ---------------------------------------------
+def test_consolidate_equals_full_checkpoint(world2, ckpt_dir, tmp_path):
+    from lightning_zero.checkpoint.consolidate import write_checkpoint
+
+    write_checkpoint(f"{ckpt_dir}/a.ckpt", tmp_path / "out.ckpt")
+    out = torch.load(tmp_path / "out.ckpt", weights_only=False, mmap=True)
+    full = torch.load(f"{ckpt_dir}/full.ckpt", weights_only=False)  # checkpoint_format="full", same training
+    assert out["state_dict"].keys() == full["state_dict"].keys()
+    assert state_err(out["state_dict"], full["state_dict"]) == 0.0
+    assert out["global_step"] == full["global_step"] == FIRST
+    assert out["lr_schedulers"] == full["lr_schedulers"] and out["loops"] == full["loops"]
+    (o,), (f,) = out["optimizer_states"], full["optimizer_states"]
+    assert o["param_groups"] == f["param_groups"]
+    assert o["lightning_zero"] == f["lightning_zero"]
+    assert o["state"].keys() == f["state"].keys()
+    for index, entry in f["state"].items():
+        assert o["state"][index].keys() == entry.keys()
+        for key, value in entry.items():
+            assert torch.equal(o["state"][index][key], value), (index, key)
+
+
+def test_consolidated_file_resumes_under_ddp(world2):
+    for r in world2:
+        case = r["consolidated_to_ddp"]
+        assert "ok" in case, case
+        assert_resumed_like(case["ok"], r["ref"])
+
+
+def test_consolidate_weights_only_loads_without_lightning_zero(ckpt_dir, tmp_path):
+    import subprocess
+    import sys
+
+    cli = [sys.executable, "-m", "lightning_zero.consolidate", f"{ckpt_dir}/a.ckpt", "--weights-only",
+           str(tmp_path / "w.pt")]
+    done = subprocess.run(cli, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "wrote" in done.stdout
+    # a fresh interpreter that never imports lightning_zero: torch + the plain module class
+    script = ("import sys, torch; sys.path.insert(0, 'tests'); from lightning_cases import TinyLM; "
+              f"sd = torch.load({str(tmp_path / 'w.pt')!r}, weights_only=True); m = TinyLM(); "
+              "print(m.load_state_dict(sd)); assert 'lightning_zero' not in sys.modules")
+    plain = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                           cwd=Path(__file__).parent.parent)
+    assert plain.returncode == 0 and "All keys matched" in plain.stdout, plain.stderr[-2000:]
+
+
+@pytest.mark.parametrize("case", ["file_as_dir", "missing", "out_is_dir", "no_output"])
+def test_consolidate_bad_input_is_one_line(ckpt_dir, tmp_path, case):
+    import subprocess
+    import sys
+
+    args = {"file_as_dir": [f"{ckpt_dir}/full.ckpt", str(tmp_path / "o.ckpt")],
+            "missing": [str(tmp_path / "nope.ckpt"), str(tmp_path / "o.ckpt")],
+            "out_is_dir": [f"{ckpt_dir}/a.ckpt", str(tmp_path)],
+            "no_output": [f"{ckpt_dir}/a.ckpt"]}[case]
+    done = subprocess.run([sys.executable, "-m", "lightning_zero.consolidate", *args], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 2
+    assert "Traceback" not in done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    expected = {"file_as_dir": "is a file", "missing": "does not exist", "out_is_dir": "is a directory",
+                "no_output": "give OUT.ckpt"}[case]
+    assert expected in last, done.stderr

@@ -25,6 +25,7 @@ from ..collectives import Comm
 from ..engine import ZeroEngine
 from ..engine.guard import allow_state_dict
 from ..engine.optim import unwrap
+from ..engine.state import check_keys
 from .files import META_FILE, CheckpointPathError, check_complete, commit, partial_path, prepare_partial
 from .shards import param_shards, sharded_piece
 
@@ -217,12 +218,8 @@ def _saved_model_keys(saved: SavedState) -> dict[str, str]:
 def _check_keys(saved: SavedState, expected: set[str], strict: bool) -> dict[str, str]:
     have = _saved_model_keys(saved)
     have.update({k: "" for k in saved.meta.get("state_dict_extra", {})})
-    missing, unexpected = sorted(expected - have.keys()), sorted(have.keys() - expected)
-    if strict and (missing or unexpected):
-        raise KeyError(f"Checkpoint {saved.path} does not match the model: missing keys {missing[:5]}"
-                       f"{' ...' if len(missing) > 5 else ''}, unexpected keys {unexpected[:5]}"
-                       f"{' ...' if len(unexpected) > 5 else ''}. Resume from a checkpoint of this model, or load "
-                       f"the weights with strict=False.")
+    if strict:
+        check_keys(expected, have.keys(), saved.path)
     return have
 
 

@@ -22,7 +22,7 @@ from .flat_unit import FlatUnit, UnitState
 from .guard import allow_state_dict
 from .optim import unwrap
 
-__all__ = ["full_model_state", "load_model_state", "full_optimizer_state", "load_optimizer_state", "FORMAT"]
+__all__ = ["check_keys", "full_model_state", "load_model_state", "full_optimizer_state", "load_optimizer_state", "FORMAT"]
 
 FORMAT = "lightning_zero.optimizer.v2"
 _SCALAR_KEYS = ("step",)  # per-parameter counters: never sliced
@@ -68,10 +68,8 @@ def load_model_state(engine: ZeroEngine, state: dict[str, torch.Tensor], strict:
     expected = {k for ks in keys.values() for k in ks} | {k for k, _ in module.named_buffers()}
     with allow_state_dict():
         expected |= set(module.state_dict(keep_vars=True).keys())
-    missing, unexpected = sorted(expected - state.keys()), sorted(state.keys() - expected)
-    if strict and (missing or unexpected):
-        raise KeyError(f"Checkpoint does not match the model: missing keys {missing[:10]}, "
-                       f"unexpected keys {unexpected[:10]}. Load with strict=False to ignore them.")
+    if strict:
+        check_keys(expected, state.keys())
     managed = set()
     for unit in engine.units:
         found = [next((k for k in keys[id(p)] if k in state), None) for p in unit.params]
@@ -91,6 +89,16 @@ def load_model_state(engine: ZeroEngine, state: dict[str, torch.Tensor], strict:
     for key, buf in module.named_buffers():
         if key in state:
             buf.copy_(state[key])
+
+
+def check_keys(expected: Any, have: Any, path: Any = None) -> None:
+    """One line naming the first missing and unexpected keys (torch's own message spans many lines)."""
+    missing, unexpected = sorted(set(expected) - set(have)), sorted(set(have) - set(expected))
+    if missing or unexpected:
+        raise KeyError(f"Checkpoint {path or ''} does not match the model: missing keys {missing[:5]}"
+                       f"{' ...' if len(missing) > 5 else ''}, unexpected keys {unexpected[:5]}"
+                       f"{' ...' if len(unexpected) > 5 else ''}. Resume from a checkpoint of this model, or load "
+                       f"the weights with strict=False.")
 
 
 def _set_unit_values(unit: FlatUnit, full: torch.Tensor) -> None:

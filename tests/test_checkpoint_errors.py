@@ -1,0 +1,135 @@
+"""Bad checkpoint paths and foreign checkpoints: one line naming the path (or key) and the fix."""
+
+from __future__ import annotations
+
+import shutil
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from checkpoint_cases import StepLM, dummy_loader
+from torch import nn
+
+import lightning_zero  # noqa: F401
+from lightning_zero import ZeroStrategy
+from lightning_zero.checkpoint.files import CheckpointPathError
+
+
+def _trainer(steps: int = 2, **options) -> pl.Trainer:
+    return pl.Trainer(accelerator="cpu", devices=1, strategy=ZeroStrategy(stage=2, **options), max_steps=steps,
+                      logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                      enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    d = tmp_path_factory.mktemp("errors")
+    trainer = _trainer()
+    trainer.fit(StepLM(), dummy_loader())
+    trainer.save_checkpoint(d / "good.ckpt")
+    return trainer, d
+
+
+def _one_line(err: BaseException, *needles: str) -> str:
+    message = str(err).strip("'\"")
+    assert "\n" not in message, message
+    for needle in needles:
+        assert needle in message, message
+    return message
+
+
+def test_sharded_save_onto_a_file(saved):
+    trainer, d = saved
+    (d / "file.ckpt").write_text("x")
+    with pytest.raises(CheckpointPathError) as info:
+        trainer.save_checkpoint(d / "file.ckpt")
+    _one_line(info.value, str(d / "file.ckpt"), "is a file", "checkpoint_format='full'")
+
+
+def test_full_save_onto_a_directory(tmp_path):
+    trainer = _trainer(checkpoint_format="full")
+    trainer.fit(StepLM(), dummy_loader())
+    (tmp_path / "dir.ckpt").mkdir()
+    with pytest.raises(CheckpointPathError) as info:
+        trainer.save_checkpoint(tmp_path / "dir.ckpt")
+    _one_line(info.value, str(tmp_path / "dir.ckpt"), "is a directory")
+
+
+def test_unwritable_path(saved):
+    trainer, d = saved
+    (d / "plain_file").write_text("x")
+    target = d / "plain_file" / "sub" / "x.ckpt"  # a file where a directory must be: mkdir fails, even as root
+    with pytest.raises(CheckpointPathError) as info:
+        trainer.save_checkpoint(target)
+    _one_line(info.value, str(target), "writable")
+
+
+class _Bigger(StepLM):
+    def __init__(self) -> None:
+        super().__init__()
+        self.extra = nn.Linear(4, 4)
+
+
+class _Smaller(StepLM):
+    def __init__(self) -> None:
+        super().__init__()
+        del self.shared
+
+
+@pytest.mark.parametrize("model, needle", [(_Bigger, "missing keys ['extra.bias', 'extra.weight']"),
+                                           (_Smaller, "unexpected keys ['shared.bias', 'shared.weight']")])
+def test_checkpoint_of_another_model(saved, model, needle):
+    _, d = saved
+    with pytest.raises(KeyError) as info:
+        _trainer(steps=3).fit(model(), dummy_loader(), ckpt_path=d / "good.ckpt")
+    _one_line(info.value, str(d / "good.ckpt"), needle)
+
+
+@pytest.mark.parametrize("damage, needle", [("drop_part", "__0_0.distcp is missing"),
+                                            ("truncate_part", "__0_0.distcp is truncated"),
+                                            ("drop_meta", "meta.pt is missing"),
+                                            ("only_partial", "did not finish")])
+def test_truncated_directory(saved, tmp_path, damage, needle):
+    _, d = saved
+    broken = tmp_path / "broken.ckpt"
+    shutil.copytree(d / "good.ckpt", broken)
+    part = broken / "__0_0.distcp"
+    if damage == "drop_part":
+        part.unlink()
+    elif damage == "truncate_part":
+        part.write_bytes(part.read_bytes()[: part.stat().st_size // 2])
+    elif damage == "drop_meta":
+        (broken / "meta.pt").unlink()
+    else:
+        broken.rename(tmp_path / "broken.ckpt.partial")
+    with pytest.raises(CheckpointPathError) as info:
+        _trainer(steps=3).fit(StepLM(), dummy_loader(), ckpt_path=broken)
+    _one_line(info.value, str(broken), needle)
+
+
+def test_missing_checkpoint(tmp_path):
+    with pytest.raises(CheckpointPathError) as info:
+        _trainer(steps=3).fit(StepLM(), dummy_loader(), ckpt_path=tmp_path / "nope.ckpt")
+    _one_line(info.value, str(tmp_path / "nope.ckpt"), "does not exist")
+
+
+def test_checkpoint_format_is_validated():
+    with pytest.raises(ValueError) as info:
+        ZeroStrategy(checkpoint_format="shards")
+    _one_line(info.value, "checkpoint_format", "'sharded'")
+
+
+def test_full_file_loads_with_mmap(saved, tmp_path, monkeypatch):
+    trainer = _trainer(checkpoint_format="full")
+    trainer.fit(StepLM(), dummy_loader())
+    trainer.save_checkpoint(tmp_path / "one.ckpt")
+    seen = {}
+    real_load = torch.load
+
+    def spy(*args, **kwargs):
+        seen.setdefault("mmap", kwargs.get("mmap"))
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", spy)
+    _trainer(steps=3).fit(StepLM(), dummy_loader(), ckpt_path=tmp_path / "one.ckpt")
+    assert seen["mmap"] is True
