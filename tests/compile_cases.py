@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import lightning.pytorch as pl
+from dist_utils import trained_state
 from model_zoo import ZooLM, zoo_data, zoo_strategy
 
 import lightning_zero
@@ -32,5 +33,5 @@ def compiled_case(rank: int, world: int, runs: list[tuple[str, str]]) -> dict:
                              enable_model_summary=False)
         trainer.fit(module, zoo_data())
         out[(strategy, backend)] = {"losses": module.losses, "global_step": trainer.global_step,
-                                    "state": {k: v.detach().clone() for k, v in module.state_dict().items()}}
+                                    "state": trained_state(trainer, module)}
     return out

@@ -79,3 +79,15 @@ def full_state(trainer) -> dict:
     if hasattr(strategy, "full_state_dict"):
         return strategy.full_state_dict(rank0_only=strategy.config.shard_params)
     return trainer.lightning_module.state_dict()
+
+
+def trained_state(trainer, module) -> dict:
+    """The trained weights after fit on every rank, as float CPU copies: stage 3 keeps the module
+    sharded after fit, so they are gathered (``full_state_dict``); other strategies hand the
+    module back holding them."""
+    strategy = trainer.strategy
+    if getattr(getattr(strategy, "config", None), "shard_params", False):
+        state = strategy.full_state_dict(rank0_only=False)
+    else:
+        state = module.state_dict()
+    return {k: v.detach().float().cpu().clone() for k, v in state.items()}

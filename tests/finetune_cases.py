@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import lightning.pytorch as pl
 import torch
+from dist_utils import trained_state
 from lightning.pytorch.callbacks import BackboneFinetuning
 from model_zoo import DIM, VOCAB, Block, zoo_data, zoo_strategy
 from torch import nn
@@ -94,16 +95,13 @@ def _trainer(world: int, strategy: str, epochs: int, by_hand: bool, root: str) -
                       enable_model_summary=False, num_sanity_val_steps=0, callbacks=callbacks, default_root_dir=root)
 
 
-def _state(module: pl.LightningModule) -> dict:
-    return {k: v.detach().float().cpu().clone() for k, v in module.state_dict().items()}
-
-
 def finetune_case(rank: int, world: int, strategy: str, by_hand: bool, ckpt_dir: str) -> dict:
     """Three epochs straight; and two epochs, save, resume for the third."""
     assert lightning_zero
     pl.seed_everything(0, verbose=False)
     straight = FinetuneLM(by_hand)
-    _trainer(world, strategy, 3, by_hand, ckpt_dir).fit(straight, zoo_data())
+    straight_trainer = _trainer(world, strategy, 3, by_hand, ckpt_dir)
+    straight_trainer.fit(straight, zoo_data())
     pl.seed_everything(0, verbose=False)
     first = FinetuneLM(by_hand)
     trainer = _trainer(world, strategy, 2, by_hand, ckpt_dir)
@@ -112,9 +110,10 @@ def finetune_case(rank: int, world: int, strategy: str, by_hand: bool, ckpt_dir:
     trainer.save_checkpoint(path)
     pl.seed_everything(0, verbose=False)
     resumed = FinetuneLM(by_hand)
-    _trainer(world, strategy, 3, by_hand, ckpt_dir).fit(resumed, zoo_data(), ckpt_path=path)
-    return {"straight": {"losses": straight.losses, "state": _state(straight)},
-            "resumed": {"losses": first.losses + resumed.losses, "state": _state(resumed)}}
+    resumed_trainer = _trainer(world, strategy, 3, by_hand, ckpt_dir)
+    resumed_trainer.fit(resumed, zoo_data(), ckpt_path=path)
+    return {"straight": {"losses": straight.losses, "state": trained_state(straight_trainer, straight)},
+            "resumed": {"losses": first.losses + resumed.losses, "state": trained_state(resumed_trainer, resumed)}}
 
 
 def finetune_many(rank: int, world: int, runs: list, ckpt_dir: str) -> dict:

@@ -11,7 +11,7 @@ import math
 import lightning.pytorch as pl
 import torch
 import torchmetrics
-from dist_utils import full_state
+from dist_utils import full_state, trained_state
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -176,7 +176,7 @@ def fit_case(rank: int, world: int, module_name: str, strategy: str, precision: 
                          num_sanity_val_steps=0, use_distributed_sampler=True, callbacks=[probe := MemoryProbe()])
     trainer.fit(module, data, lm_data(16) if lm else None)
     out = {"losses": module.losses, "global_step": trainer.global_step, "memory": probe.reports,
-           "state": {k: v.detach().float().cpu().clone() for k, v in module.state_dict().items()},
+           "state": trained_state(trainer, module),
            "dtype": str(next(module.parameters()).dtype)}
     if lm:
         out["trace"] = torch.stack(module.param_trace)
@@ -360,6 +360,6 @@ def init_module_case(rank: int, world: int, with_metric: bool = False) -> dict:
     before = trainer.validate(module, lm_data(16), verbose=False)[0]["val_loss"]
     trainer.fit(module, lm_data())
     after = trainer.validate(module, lm_data(16), verbose=False)[0]["val_loss"]
-    shapes = {k: tuple(v.shape) for k, v in module.state_dict().items()}
+    shapes = {k: tuple(v.shape) for k, v in trained_state(trainer, module).items()}
     return {"on_meta": on_meta, "before": before, "after": after, "losses": module.losses, "shapes": shapes,
             "reference_shapes": {k: tuple(v.shape) for k, v in PlainBlockLM().state_dict().items()}}

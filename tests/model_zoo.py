@@ -13,6 +13,7 @@ import gc
 
 import lightning.pytorch as pl
 import torch
+from dist_utils import trained_state
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -181,7 +182,7 @@ def fit_zoo(rank: int, world: int, kind: str, strategy: str, probe: bool = False
                          callbacks=[_ArmProbes()] if probe else [])
     trainer.fit(module, zoo_data())
     out = {"losses": module.losses, "global_step": trainer.global_step,
-           "state": {k: v.detach().float().cpu().clone() for k, v in module.state_dict().items()}}
+           "state": trained_state(trainer, module)}
     if one_gpu:
         out["val"] = trainer.validate(module, zoo_data(16), verbose=False)[0]
     if probe:

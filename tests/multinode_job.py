@@ -18,6 +18,7 @@ import sys
 
 import lightning.pytorch as pl
 import torch
+from dist_utils import trained_state
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -76,7 +77,8 @@ def main(strategy: str, out_dir: str) -> None:
     rank = trainer.global_rank
     assert trainer.world_size == 2 and trainer.node_rank == rank and trainer.global_step == 2, (
         trainer.world_size, trainer.node_rank, rank, trainer.global_step)
-    state = {k: v.detach().float().cpu().clone() for k, v in model.state_dict().items()} if rank == 0 else {}
+    state = trained_state(trainer, model)  # on every rank: stage 3 gathers
+    state = state if rank == 0 else {}
     torch.save({"losses": model.losses, "state": state}, os.path.join(out_dir, f"{strategy}_rank{rank}.pt"))
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import lightning.pytorch as pl
 import torch
+from dist_utils import trained_state
 from model_zoo import DIM, VOCAB, Block, zoo_data, zoo_strategy
 from torch import nn
 
@@ -84,7 +85,7 @@ def two_optimizer_case(rank: int, world: int, strategy: str, fp16: bool = True) 
     trainer.fit(module, zoo_data())
     scale = module.scaler.get_scale() if reference else trainer.precision_plugin.loss_scale
     return {"losses": module.losses, "norms": module.norms, "scale": scale,
-            "state": {k: v.detach().float().cpu().clone() for k, v in module.state_dict().items()}}
+            "state": trained_state(trainer, module)}
 
 
 def two_optimizer_many(rank: int, world: int, strategies: list[str], fp16: bool = True) -> dict:
