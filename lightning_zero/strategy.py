@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import weakref
 from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
@@ -436,17 +437,24 @@ class ZeroStrategy(ParallelStrategy):
         if engine is not None and not self.config.shard_params:
             engine.park()
             self._parked, self.engine = engine, None
+        elif engine is not None:
+            _kept_engines[engine.module] = engine  # a later Trainer given this module unshards it first
         super().teardown()  # moves the module (and the optimizer state) to the CPU, as under DDP
         if self._parked is not None:
             self._parked.drop_full()
 
     def _release_engine(self) -> None:
-        """Before a new engine: hand the module back as plain parameters holding the trained values."""
+        """Before a new engine: hand the module back as plain parameters holding the trained values.
+
+        The module may still be sharded by the stage-3 engine of an earlier Trainer (its fit kept the
+        module sharded): that engine gives the values back first."""
         self._parked = None
-        if self.engine is not None:
-            self.engine.unflatten(torch.device("cpu"))  # one unit at a time on the device; model_to_device follows
-            self._end_gather_group(self.engine)
-            self.engine = None
+        module = self.lightning_module
+        kept = _kept_engines.pop(module, None) if module is not None else None
+        for engine in {id(e): e for e in (self.engine, kept) if e is not None}.values():
+            engine.unflatten(torch.device("cpu"))  # one unit at a time on the device; model_to_device follows
+            self._end_gather_group(engine)
+        self.engine = None
 
     def _end_gather_group(self, engine: ZeroEngine) -> None:
         """Destroy the process group stage 3 gathered on (``Comm.sibling``: one per engine).
@@ -505,6 +513,8 @@ class _ExitHook:
 
 
 _exit_hook = _ExitHook()
+# module -> the stage-3 engine that still shards it after its fit (see ZeroStrategy._release_engine)
+_kept_engines: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _to_zero_precision(plugin: Precision, config: ZeroConfig) -> ZeroPrecision:
