@@ -453,24 +453,9 @@ class ZeroStrategy(ParallelStrategy):
         kept = _kept_engines.pop(module, None) if module is not None else None
         for engine in {id(e): e for e in (self.engine, kept) if e is not None}.values():
             engine.unflatten(torch.device("cpu"))  # one unit at a time on the device; model_to_device follows
-            self._end_gather_group(engine)
+            _end_gather_group(engine)
         self.engine = None
 
-    def _end_gather_group(self, engine: ZeroEngine) -> None:
-        """Destroy the process group stage 3 gathered on (``Comm.sibling``: one per engine).
-
-        Its gloo worker threads live as long as the group object does, so the released engine must
-        not keep it: otherwise every fit/validate/test would leave a group behind, and the last
-        one would be torn down only during interpreter finalization, where a worker that still
-        frees a finished all-gather's tensors aborts the process (see [Note: destroy the group at
-        exit]). Not a collective: every rank's gathers were waited before unflatten's all-gathers.
-        """
-        gatherer = engine.gatherer
-        if gatherer is None or gatherer.comm.group is None or gatherer.comm.group is self.comm.group:
-            return
-        group, gatherer.comm = gatherer.comm.group, engine.comm  # the released engine gathers no more
-        if _distributed_is_initialized():
-            torch.distributed.destroy_process_group(group)
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
@@ -478,6 +463,24 @@ class ZeroStrategy(ParallelStrategy):
                             (3, "optimizer state, gradients and parameters")):
             strategy_registry.register(f"zero{stage}", cls, description=f"ZeRO stage {stage}: shards {what}",
                                        config=ZeroConfig(stage=stage))
+
+
+def _end_gather_group(engine: ZeroEngine) -> None:
+    """Destroy the process group stage 3 gathered on (``Comm.sibling``: one per engine).
+
+    Its gloo worker threads live as long as the group object does, so the released engine must
+    not keep it: otherwise every fit/validate/test would leave a group behind, and the last
+    one would be torn down only during interpreter finalization, where a worker that still
+    frees a finished all-gather's tensors aborts the process (see [Note: destroy the group at
+    exit]). Stage 3 engines kept after fit end theirs in the exit hook. Not a collective: every
+    rank's gathers were waited before unflatten's all-gathers.
+    """
+    gatherer = engine.gatherer
+    if gatherer is None or gatherer.comm.group is None or gatherer.comm.group is engine.comm.group:
+        return
+    group, gatherer.comm = gatherer.comm.group, engine.comm  # the released engine gathers no more
+    if _distributed_is_initialized():
+        torch.distributed.destroy_process_group(group)
 
 
 class _ExitHook:
@@ -509,6 +512,8 @@ class _ExitHook:
 
     def _run(self) -> None:
         if self.clean:
+            for engine in list(_kept_engines.values()):
+                _end_gather_group(engine)
             _destroy_dist_connection()
 
 

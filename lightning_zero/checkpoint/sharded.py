@@ -37,10 +37,15 @@ MODEL, OPTIM = "model/", "optim/"
 _SCALAR_KEYS = ("step",)
 
 
-class SavedState:
-    """Stands for a part of a sharded checkpoint that is read straight into the engine's shards."""
+class SavedState(dict):
+    """Stands for a part of a sharded checkpoint that is read straight into the engine's shards.
+
+    An optimizer's holds its ``param_groups`` and names (what an ``on_load_checkpoint`` hook may
+    read); its per-parameter tensors stay on disk until the strategy loads them into the pieces.
+    """
 
     def __init__(self, path: Path, meta: dict[str, Any], metadata: Any, index: Optional[int] = None) -> None:
+        super().__init__({} if index is None else meta["optimizer_states"][index])
         self.path, self.meta, self.metadata, self.index = path, meta, metadata, index
 
     def __repr__(self) -> str:
