@@ -46,7 +46,7 @@ def _kill_inside_save() -> None:
 
     def write_data(self, plan, planner):
         if "step=6" in str(self.path):
-            Path(self.path, "__1_0.distcp").write_bytes(b"half a file")
+            Path(self.path, "__1_0.distcp").write_bytes(b"part of a file")
             _die()
         return original(self, plan, planner)
 

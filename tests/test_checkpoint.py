@@ -63,9 +63,10 @@ def assert_resumed_like(run: dict, ref: dict) -> None:
 def test_sharded_directory_holds_one_part_per_rank(world2, ckpt_dir):
     d = Path(ckpt_dir) / "a.ckpt"
     files = sorted(p.name for p in d.iterdir())
-    assert files == [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"]
+    assert {".metadata", "meta.pt"} <= set(files)
+    assert all(f.startswith(("__0_", "__1_")) and f.endswith(".distcp") for f in files if f not in (".metadata", "meta.pt"))
     assert not any(p.name.endswith((".partial", ".old")) for p in Path(ckpt_dir).iterdir())
-    parts = [(d / f"__{r}_0.distcp").stat().st_size for r in (0, 1)]
+    parts = [sum(p.stat().st_size for p in d.glob(f"__{r}_*.distcp")) for r in (0, 1)]
     # each rank wrote about half of the weights + AdamW moments (12 bytes a parameter in fp32)
     numel = sum(v.numel() for k, v in world2[0]["a"]["state"].items() if k != "head.weight")  # head tied to emb
     assert 0.4 < parts[0] / sum(parts) < 0.6
@@ -232,9 +233,14 @@ def test_consolidate_weights_only_loads_without_lightning_zero(ckpt_dir, tmp_pat
     assert done.returncode == 0, done.stderr
     assert "wrote" in done.stdout
     # a fresh interpreter that never imports lightning_zero: torch + the plain module class
-    script = ("import sys, torch; sys.path.insert(0, 'tests'); from lightning_cases import TinyLM; "
-              f"sd = torch.load({str(tmp_path / 'w.pt')!r}, weights_only=True); m = TinyLM(); "
-              "print(m.load_state_dict(sd)); assert 'lightning_zero' not in sys.modules")
+    script = ("import sys, torch\nfrom torch import nn\n"
+              "class M(nn.Module):  # TinyLM's layers, as plain torch\n"
+              "    def __init__(s):\n"
+              "        super().__init__(); s.emb = nn.Embedding(37, 24); s.fc1 = nn.Linear(24, 48)\n"
+              "        s.fc2 = nn.Linear(48, 24); s.shared = nn.Linear(24, 24); s.frozen = nn.Linear(24, 24)\n"
+              "        s.norm = nn.LayerNorm(24); s.head = nn.Linear(24, 37, bias=False); s.head.weight = s.emb.weight\n"
+              f"sd = torch.load({str(tmp_path / 'w.pt')!r}, weights_only=True)\n"
+              "print(M().load_state_dict(sd)); assert 'lightning_zero' not in sys.modules")
     plain = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
                            cwd=Path(__file__).parent.parent)
     assert plain.returncode == 0 and "All keys matched" in plain.stdout, plain.stderr[-2000:]

@@ -169,6 +169,14 @@ def _split(checkpoint: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     return tensors, meta
 
 
+# [Note: one file per tensor]
+# DCP's writer keeps every tensor of a file in host memory until the file is closed (torch 2.11-2.13),
+# and pieces on the GPU are first copied to the host. With one file per rank that is the rank's whole
+# state in RAM (measured: +16 GiB to save 1.3B parameters on an H200); with one file per tensor it is
+# one tensor per writer thread. Several threads write in parallel.
+_WRITER_THREADS = 4
+
+
 def save(checkpoint: dict[str, Any], path: Any, comm: Comm, describe: dict[str, Any]) -> None:
     """Write ``checkpoint`` (from :func:`model_shards` / :func:`optimizer_shards`) as directory ``path``.
 
@@ -188,7 +196,8 @@ def save(checkpoint: dict[str, Any], path: Any, comm: Comm, describe: dict[str, 
     meta["lightning_zero"] = describe
     partial = partial_path(path)
     with _quiet():
-        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(partial), single_file_per_rank=True))
+        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(partial), single_file_per_rank=False,
+                                                              thread_count=_WRITER_THREADS))
     if comm.rank == 0:
         torch.save(meta, partial / META_FILE)
         commit(path)
