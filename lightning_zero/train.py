@@ -217,13 +217,22 @@ def run(cfg: DictConfig) -> dict[str, float]:
                  trainer.precision)
     trainer.fit(model, datamodule=datamodule)
 
-    if trainer.is_global_zero and cfg.sample_chars > 0 and model.model is not None:
-        _log_sample(model, datamodule, cfg.sample_chars, cfg.seed)
+    if cfg.sample_chars > 0 and model.model is not None:
+        sampler = model
+        if getattr(trainer.strategy, "config", None) is not None and trainer.strategy.config.shard_params:
+            # stage 3 keeps the module sharded after fit: rank 0 samples from a plain copy
+            state = trainer.strategy.full_state_dict()  # every rank takes part; rank 0 receives it
+            if trainer.is_global_zero:
+                sampler = instantiate(cfg.model, vocab_size=datamodule.vocab_size)
+                sampler.configure_model()
+                sampler.load_state_dict(state)
+        if trainer.is_global_zero:
+            _log_sample(sampler, datamodule, cfg.sample_chars, cfg.seed)
     return {k: float(v) for k, v in trainer.callback_metrics.items()}
 
 
 def _log_sample(model: Any, datamodule: Any, n_chars: int, seed: int) -> None:
-    """Rank 0 only, after fit (the strategy has handed back the trained, unsharded parameters)."""
+    """Rank 0 only, after fit, on a module holding full parameters."""
     tokenizer = datamodule.tokenizer
     start = torch.tensor([tokenizer.encode("The ").tolist()], device=model.device)
     out = model.generate(start, n_chars, temperature=0.8, top_k=20, generator=_generator(model.device, seed))

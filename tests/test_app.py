@@ -135,7 +135,9 @@ SMOKE = ("trainer.devices=2", "trainer.max_steps=4", "trainer.val_check_interval
 
 @pytest.mark.slow
 @pytest.mark.parametrize("extra", [(), ("strategy=zero1", "trainer.precision=bf16-mixed",
-                                        "strategy.reduce_bucket_size=1000000")], ids=["zero2-fp32", "zero1-bf16"])
+                                        "strategy.reduce_bucket_size=1000000"),
+                                   ("strategy=zero3", "strategy.wrap_modules=[Block]")],
+                         ids=["zero2-fp32", "zero1-bf16", "zero3-sample-after-fit"])
 def test_app_trains_on_two_cpu_ranks(tmp_path: Path, extra: tuple[str, ...]) -> None:
     """The real app, started from another directory: Lightning re-launches it for rank 1 under Hydra."""
     run_dir = tmp_path / "run"
@@ -147,4 +149,5 @@ def test_app_trains_on_two_cpu_ranks(tmp_path: Path, extra: tuple[str, ...]) -> 
     assert (run_dir / "train_ddp_process_1.log").is_file()  # rank 1 ran in the same output directory
     assert (run_dir / ".hydra" / "config.yaml").is_file()
     saved = OmegaConf.load(run_dir / ".hydra" / "config.yaml")
-    assert saved.strategy.stage == (1 if extra else 2)
+    assert saved.strategy.stage == (int(extra[0][-1]) if extra else 2)
+    assert "sample:" in text  # rank 0 samples from the trained model (stage 3: a plain copy)
