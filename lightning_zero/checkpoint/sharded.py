@@ -25,7 +25,7 @@ from ..collectives import Comm
 from ..engine import ZeroEngine
 from ..engine.guard import allow_state_dict
 from ..engine.optim import unwrap
-from ..engine.state import check_keys
+from ..engine.state import check_keys, is_elementwise, torch_param_groups
 from .files import META_FILE, CheckpointPathError, check_complete, commit, partial_path, prepare_partial
 from .shards import param_shards, sharded_piece
 
@@ -34,7 +34,6 @@ __all__ = ["FORMAT", "SavedState", "model_shards", "optimizer_shards", "describe
 
 FORMAT = "lightning_zero.sharded.v1"
 MODEL, OPTIM = "model/", "optim/"
-_SCALAR_KEYS = ("step",)
 
 
 class SavedState(dict):
@@ -105,7 +104,7 @@ def optimizer_shards(engine: ZeroEngine, optimizer: Any) -> dict[str, Any]:
         piece = unit.pieces[slot]
         entry = optimizer.state.get(piece) if piece is not None else None
         if entry:
-            local[unit.names[slot]] = {k: (str(v.dtype) if _is_elementwise(k, v, piece.numel()) else _cpu(v))
+            local[unit.names[slot]] = {k: (str(v.dtype) if is_elementwise(k, v, piece.numel()) else cpu_copy(v))
                                        for k, v in entry.items()}
     merged: dict[str, dict[str, Any]] = {}
     for part in engine.comm.all_gather_object(local):
@@ -125,27 +124,14 @@ def optimizer_shards(engine: ZeroEngine, optimizer: Any) -> dict[str, Any]:
                 value = value.detach().reshape(-1) if value is not None else torch.zeros(piece.numel(), dtype=dtype)
             state.setdefault(name, {})[key] = sharded_piece(value, numel, param_shards(unit.layout, slot),
                                                             unit.rank, dtype)
-    names, groups, start = [], [], 0
-    for group in optimizer.param_groups:
-        count = len(group["params"])
-        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": list(range(start, start + count))})
-        names += [engine.names[id(p)] for p in group["params"]]
-        start += count
+    groups, names = torch_param_groups(engine, optimizer)
     return {"state": state, "param_groups": groups,
             "lightning_zero": {"format": FORMAT, "param_names": names, "elementwise": elementwise,
                                "scalars": scalars}}
 
 
-def _is_elementwise(key: str, value: Any, numel: int) -> bool:
-    return isinstance(value, torch.Tensor) and key not in _SCALAR_KEYS and value.dim() == 1 and value.numel() == numel
-
-
 def _dtype(name: str) -> torch.dtype:
     return getattr(torch, name.split(".")[-1])
-
-
-def _cpu(value: Any) -> Any:
-    return value.detach().cpu().clone() if isinstance(value, torch.Tensor) else value
 
 
 def _split(checkpoint: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -338,7 +324,7 @@ def load_optimizer(saved: SavedState, engine: ZeroEngine, optimizer: Any) -> Non
         for key, value in lz["scalars"].get(name, {}).items():
             if key == "step" and isinstance(value, torch.Tensor) and (group.get("fused") or group.get("capturable")):
                 value = value.to(device=piece.device, dtype=torch.float32)
-            entry[key] = _cpu(value)
+            entry[key] = cpu_copy(value)
         if entry:
             optimizer.state[piece] = entry
     _load(targets, saved.path)

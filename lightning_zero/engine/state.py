@@ -107,7 +107,7 @@ def _set_unit_values(unit: FlatUnit, full: torch.Tensor) -> None:
         unit.full.copy_(full)
 
 
-def _is_elementwise(key: str, value: Any, numel: int) -> bool:
+def is_elementwise(key: str, value: Any, numel: int) -> bool:
     """A piece's per-element state (exp_avg, ...): 1D like the piece; counters (step) are 0-dim."""
     return isinstance(value, torch.Tensor) and key not in _SCALAR_KEYS and value.dim() == 1 and value.numel() == numel
 
@@ -132,7 +132,7 @@ def full_optimizer_state(engine: ZeroEngine, optimizer: Any, keep: bool = True) 
         piece = unit.pieces[slot]
         entry = optimizer.state.get(piece) if piece is not None else None
         if entry:
-            local[index] = {k: (str(v.dtype) if _is_elementwise(k, v, piece.numel()) else _cpu(v))
+            local[index] = {k: (str(v.dtype) if is_elementwise(k, v, piece.numel()) else cpu_copy(v))
                             for k, v in entry.items()}
     merged: dict[int, dict[str, Any]] = {}
     for part in engine.comm.all_gather_object(local):
@@ -147,15 +147,21 @@ def full_optimizer_state(engine: ZeroEngine, optimizer: Any, keep: bool = True) 
         _gather_elementwise(engine, optimizer, engine.units[unit_index], indices, slots, merged, state, keep)
     if not keep:
         return {}
+    groups, names = torch_param_groups(engine, optimizer)
+    elementwise = sorted({k for e in merged.values() for k, v in e.items() if isinstance(v, str)})
+    return {"state": state, "param_groups": groups,
+            "lightning_zero": {"format": FORMAT, "param_names": names, "elementwise": elementwise}}
+
+
+def torch_param_groups(engine: ZeroEngine, optimizer: Any) -> tuple[list[dict[str, Any]], list[str]]:
+    """``optimizer.state_dict()["param_groups"]`` (parameters numbered in group order) and their names."""
     names, groups, start = [], [], 0
     for group in optimizer.param_groups:
         count = len(group["params"])
         groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": list(range(start, start + count))})
         names += [engine.names[id(p)] for p in group["params"]]
         start += count
-    elementwise = sorted({k for e in merged.values() for k, v in e.items() if isinstance(v, str)})
-    return {"state": state, "param_groups": groups,
-            "lightning_zero": {"format": FORMAT, "param_names": names, "elementwise": elementwise}}
+    return groups, names
 
 
 def _gather_elementwise(engine: ZeroEngine, optimizer: torch.optim.Optimizer, unit: FlatUnit, indices: list[int],
@@ -180,7 +186,7 @@ def _gather_elementwise(engine: ZeroEngine, optimizer: torch.optim.Optimizer, un
                     state[index][key] = views[slots[index][1]].cpu().clone()
 
 
-def _cpu(value: Any) -> Any:
+def cpu_copy(value: Any) -> Any:
     return value.detach().cpu().clone() if isinstance(value, torch.Tensor) else value
 
 
@@ -215,7 +221,7 @@ def load_optimizer_state(engine: ZeroEngine, optimizer: Any, saved: dict[str, An
             elif key == "step" and isinstance(value, torch.Tensor) and (group.get("fused") or group.get("capturable")):
                 out[key] = value.to(device=piece.device, dtype=torch.float32)
             else:
-                out[key] = _cpu(value)
+                out[key] = cpu_copy(value)
         optimizer.state[piece] = out
 
 
