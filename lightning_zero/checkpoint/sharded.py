@@ -25,7 +25,7 @@ from ..collectives import Comm
 from ..engine import ZeroEngine
 from ..engine.guard import allow_state_dict
 from ..engine.optim import unwrap
-from ..engine.state import check_keys, is_elementwise, torch_param_groups
+from ..engine.state import check_keys, cpu_copy, is_elementwise, torch_param_groups
 from .files import META_FILE, CheckpointPathError, check_complete, commit, partial_path, prepare_partial
 from .shards import param_shards, sharded_piece
 
@@ -323,8 +323,9 @@ def load_optimizer(saved: SavedState, engine: ZeroEngine, optimizer: Any) -> Non
         group = group_of[id(unit.params[slot])]
         for key, value in lz["scalars"].get(name, {}).items():
             if key == "step" and isinstance(value, torch.Tensor) and (group.get("fused") or group.get("capturable")):
-                value = value.to(device=piece.device, dtype=torch.float32)
-            entry[key] = cpu_copy(value)
+                entry[key] = value.to(device=piece.device, dtype=torch.float32)  # fused kernels want it there
+            else:
+                entry[key] = cpu_copy(value)
         if entry:
             optimizer.state[piece] = entry
     _load(targets, saved.path)
