@@ -36,6 +36,7 @@ class StepLM(TinyLM):
         super().__init__()
         self.seen_scales: list[float] = []  # loss scale at each training step (fp16 runs)
         self.seen_steps: list[int] = []
+        self.fused: bool | None = None  # True: torch's fused AdamW (its step counters live on the device)
 
     def training_step(self, batch, batch_idx):
         g = torch.Generator().manual_seed(1000 + self.global_step)
@@ -49,7 +50,7 @@ class StepLM(TinyLM):
         decay = [p for p in self.parameters() if p.requires_grad and p.dim() >= 2]
         rest = [p for p in self.parameters() if p.requires_grad and p.dim() < 2]
         opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
-                                lr=self.lr, betas=(0.9, 0.95))
+                                lr=self.lr, betas=(0.9, 0.95), fused=self.fused)
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
@@ -81,7 +82,8 @@ class _StateAtEnd(Callback):
 
 def fit_steps(world: int, strategy: str, steps: int, ckpt_in: str | None = None, save_to: str | None = None,
               plugin: str = "", options: dict | None = None, inject: tuple = (), callbacks: list | None = None,
-              ckpt_dir: str | None = None, save_after_fit: str | None = None) -> dict:
+              ckpt_dir: str | None = None, save_after_fit: str | None = None, accelerator: str = "cpu",
+              fused: bool | None = None) -> dict:
     """Train StepLM to ``max_steps=steps`` (resuming from ``ckpt_in``).
 
     ``save_to`` saves from on_train_end; ``save_after_fit`` calls ``trainer.save_checkpoint`` once
@@ -91,8 +93,9 @@ def fit_steps(world: int, strategy: str, steps: int, ckpt_in: str | None = None,
     pl.seed_everything(0, verbose=False)
     module = StepLM()
     module.inject_inf_at = set(inject)
+    module.fused = fused
     end = _StateAtEnd(save_to)
-    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=make_strategy(strategy, **(options or {})),
+    trainer = pl.Trainer(accelerator=accelerator, devices=world, strategy=make_strategy(strategy, **(options or {})),
                          precision=None if plugin else "32-true", plugins=[ZeroPrecision(plugin)] if plugin else None,
                          max_steps=steps, logger=False, enable_checkpointing=bool(callbacks),
                          callbacks=[end, *(callbacks or [])], enable_progress_bar=False, enable_model_summary=False,
