@@ -133,3 +133,29 @@ def test_full_file_loads_with_mmap(saved, tmp_path, monkeypatch):
     monkeypatch.setattr(torch, "load", spy)
     _trainer(steps=3).fit(StepLM(), dummy_loader(), ckpt_path=tmp_path / "one.ckpt")
     assert seen["mmap"] is True
+
+
+@pytest.mark.parametrize("save_last", [True, "link"])
+def test_modelcheckpoint_top_k_deletes_directories_and_last_resumes(tmp_path, save_last):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    def trainer(steps: int) -> pl.Trainer:
+        cb = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=1, monitor="step", mode="max",
+                             save_last=save_last)
+        return pl.Trainer(accelerator="cpu", devices=1, strategy=ZeroStrategy(stage=3), max_steps=steps, logger=False,
+                          callbacks=[cb], enable_progress_bar=False, enable_model_summary=False,
+                          num_sanity_val_steps=0, limit_val_batches=0)
+
+    class Logged(StepLM):
+        def training_step(self, batch, batch_idx):
+            self.log("step", float(self.global_step))
+            return super().training_step(batch, batch_idx)
+
+    trainer(6).fit(Logged(), dummy_loader())
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert len(names) == 2 and names[0].startswith("epoch=0-step=") and names[1] == "last.ckpt", names
+    assert all((tmp_path / n / "meta.pt").is_file() for n in names)  # the older directories were deleted whole
+    assert (tmp_path / "last.ckpt").is_symlink() == (save_last == "link")
+    resumed = Logged()
+    trainer(8).fit(resumed, dummy_loader(), ckpt_path="last")
+    assert resumed.seen_steps == [6, 7]
