@@ -73,3 +73,43 @@ def test_sharded_checkpoint_resumes_fused_adamw_on_gpu(tmp_path, strategy):
     resumed = fit_steps(1, strategy, 6, ckpt_in=str(tmp_path / "a.ckpt"), **gpu)
     assert resumed["seen_steps"] == [3, 4, 5]
     assert state_err(resumed["final"], ref["final"]) <= 1e-5
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_teardown_never_holds_the_fp32_model_on_the_gpu(stage):
+    # bf16-mixed: stage 2 gathers the fp32 masters unit by unit into host memory, stage 3 gathers nothing
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import Callback
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_zero import ZeroStrategy
+
+    class Net(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.Sequential(*[nn.Linear(512, 512) for _ in range(8)])
+
+        def training_step(self, batch, batch_idx):
+            return self.layers(batch[0]).float().pow(2).mean()
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    class AtEnd(Callback):
+        def on_train_end(self, trainer, pl_module):
+            torch.cuda.synchronize()
+            self.allocated = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+
+    probe, module = AtEnd(), Net()
+    fp32_model = 4 * sum(p.numel() for p in module.parameters())
+    trainer = pl.Trainer(accelerator="gpu", devices=1, precision="bf16-mixed", max_steps=2, logger=False,
+                         strategy=ZeroStrategy(stage=stage, reduce_bucket_size=300_000, min_group_params=300_000),
+                         enable_checkpointing=False, enable_progress_bar=False, callbacks=[probe])
+    trainer.fit(module, DataLoader(TensorDataset(torch.randn(8, 512)), batch_size=2))
+    torch.cuda.synchronize()
+    teardown_growth = torch.cuda.max_memory_allocated() - probe.allocated
+    assert teardown_growth < 0.5 * fp32_model, (teardown_growth, fp32_model)
+    if stage == 2:
+        assert all(p.device.type == "cpu" and p.dtype == torch.float32 for p in module.parameters())
