@@ -40,7 +40,7 @@ class StepLM(TinyLM):
 
     def training_step(self, batch, batch_idx):
         g = torch.Generator().manual_seed(1000 + self.global_step)
-        idx = torch.randint(0, VOCAB, (8, 9), generator=g)
+        idx = torch.randint(0, VOCAB, (8, 9), generator=g).to(self.device)
         self.seen_steps.append(self.global_step)
         self.seen_scales.append(self.trainer.precision_plugin.loss_scale
                                 if hasattr(self.trainer.precision_plugin, "loss_scale") else 1.0)
