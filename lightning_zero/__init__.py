@@ -1,7 +1,8 @@
 """lightning_zero: DeepSpeed-style ZeRO for PyTorch Lightning, in pure PyTorch.
 
-``import lightning_zero`` registers the strategy names ``zero1``, ``zero2`` and ``zero3``
-with Lightning, so ``Trainer(strategy="zero3")`` works after it.
+``import lightning_zero`` registers the strategy names ``zero1``, ``zero2``, ``zero3``,
+``zero2_offload``, ``zero3_offload``, ``zero3_offload_nvme`` and ``zero_auto`` with Lightning,
+so ``Trainer(strategy="zero3")`` works after it.
 """
 
 from lightning.pytorch.strategies import StrategyRegistry
@@ -19,7 +20,9 @@ __version__ = "0.1.0"
 
 def _register() -> None:
     # Lightning only discovers register_strategies in its own package; a re-import must not fail.
-    for name in ("zero1", "zero2", "zero3"):
+    from .strategy import PRESETS
+
+    for name in ("zero1", "zero2", "zero3", *(p[0] for p in PRESETS)):
         StrategyRegistry.pop(name, None)
     ZeroStrategy.register_strategies(StrategyRegistry)
 

@@ -14,6 +14,7 @@ from typing import Any, Optional
 __all__ = ["ZeroConfig", "ZeroConfigError", "DTYPE_NAMES"]
 
 # Names accepted wherever a dtype is configured; values are torch dtype attribute names.
+PLACES = ("none", "cpu", "nvme")
 DTYPE_NAMES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16",
                "fp16": "float16", "float16": "float16", "half": "float16"}
 
@@ -61,6 +62,19 @@ class ZeroConfig:
         checkpoint_format: "sharded" (default) writes a checkpoint directory in which every rank
             writes only its own part, readable by any world size and stage; "full" gathers one
             ordinary Lightning checkpoint file on rank 0 (for small models, or tools that need one file).
+        offload_optimizer: where the fp32 master, the gradient shard and the optimizer state of the
+            offloaded units live and are stepped: "none" (the device), "cpu" (host memory, stepped by
+            the CPU) or "nvme" (files under ``nvme_path``, streamed through host staging buffers).
+        offload_params: stage 3: where the parameter shards live between gathers ("none", "cpu",
+            "nvme"); needs ``offload_optimizer`` (a master left on the GPU costs more than it saves).
+        offload_fraction: share of the optimizer state (by bytes) that ``offload_optimizer`` moves;
+            the rest stays on the device and steps there while the host steps its part.
+        pin_memory: page-lock host buffers once at setup, so copies run asynchronously at full speed.
+        nvme_path: directory for ``nvme`` offload files (a fast local disk); when null the
+            LIGHTNING_ZERO_NVME_PATH environment variable is read.
+        nvme_buffer_bytes: host memory budget of the staging buffers ``nvme`` offload streams through.
+        auto_placement: at setup, plan the stage and offload placement for the real devices and model
+            (``strategy="zero_auto"``); the fields above are then chosen, not read.
     """
 
     stage: int = 2
@@ -82,6 +96,13 @@ class ZeroConfig:
     collective_timeout_s: float = 1800.0
     broadcast_buffers: bool = True
     checkpoint_format: str = "sharded"
+    offload_optimizer: str = "none"
+    offload_params: str = "none"
+    offload_fraction: float = 1.0
+    pin_memory: bool = True
+    nvme_path: Optional[str] = None
+    nvme_buffer_bytes: int = 1 << 30
+    auto_placement: bool = False
 
     def __post_init__(self) -> None:
         for name in ("wrap_modules", "activation_checkpointing"):
@@ -113,6 +134,20 @@ class ZeroConfig:
                self.min_loss_scale, "keep it at or below 2**initial_scale_power")
         _check(self.checkpoint_format in ("sharded", "full"), "checkpoint_format", self.checkpoint_format,
                "use 'sharded' (a directory, every rank writes its part) or 'full' (one file from rank 0)")
+        for name in ("offload_optimizer", "offload_params"):
+            _check(getattr(self, name) in PLACES, name, getattr(self, name), "use 'none', 'cpu' or 'nvme'")
+        _check(self.offload_params == "none" or self.stage == 3, "offload_params", self.offload_params,
+               "parameters are sharded only in stage 3: use stage=3 (zero3_offload), or offload_optimizer alone "
+               "with stage 1/2 (zero2_offload)")
+        _check(self.offload_params == "none" or self.offload_optimizer != "none", "offload_params",
+               self.offload_params, "also set offload_optimizer='cpu' or 'nvme': the fp32 master left on the GPU "
+               "would take twice the memory the 16-bit parameters free")
+        _check(0.0 <= self.offload_fraction <= 1.0, "offload_fraction", self.offload_fraction,
+               "use a share between 0.0 (all on the device) and 1.0 (all offloaded)")
+        _check(self.offload_fraction == 1.0 or self.offload_optimizer != "none", "offload_fraction",
+               self.offload_fraction, "a partial placement needs offload_optimizer='cpu' or 'nvme'")
+        _check(self.nvme_buffer_bytes >= 1 << 20, "nvme_buffer_bytes", self.nvme_buffer_bytes,
+               "use at least 1 MiB (the host staging budget of NVMe offload)")
         _check(self.collective_timeout_s > 0, "collective_timeout_s", self.collective_timeout_s,
                "use a positive number of seconds")
 
@@ -128,6 +163,14 @@ class ZeroConfig:
     @property
     def shard_params(self) -> bool:
         return self.stage >= 3
+
+    @property
+    def offloads(self) -> bool:
+        return self.offload_optimizer != "none" and self.offload_fraction > 0
+
+    @property
+    def uses_nvme(self) -> bool:
+        return self.offloads and "nvme" in (self.offload_optimizer, self.offload_params)
 
     def replace(self, **changes: Any) -> ZeroConfig:
         """A copy with ``changes`` applied (validated like a new config)."""

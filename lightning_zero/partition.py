@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["ALIGN", "Slot", "Piece", "UnitLayout", "layout_unit", "plan_buckets"]
+__all__ = ["ALIGN", "Slot", "Piece", "UnitLayout", "layout_unit", "plan_buckets", "plan_offload", "chunk_units"]
 
 ALIGN = 64  # elements; 128 B in 16-bit, 256 B in fp32
 
@@ -130,3 +130,36 @@ def plan_buckets(numels: Sequence[int], bucket_numel: int) -> list[list[int]]:
     if current:
         buckets.append(current)
     return buckets
+
+
+def plan_offload(sizes: Sequence[int], fraction: float) -> list[int]:
+    """Indices of the units whose optimizer state moves to the host so that their share of
+    ``sum(sizes)`` comes closest to ``fraction`` (whole units; ties offload fewer bytes).
+
+    Units are taken in index order (the order backward finishes them: the first gradients to
+    arrive go to the host, so their copies have the rest of backward to run), skipping a unit
+    that would overshoot the target by more than leaving it out undershoots.
+    """
+    total = sum(sizes)
+    target = fraction * total
+    chosen, taken = [], 0
+    for index, size in enumerate(sizes):
+        if size and abs(taken + size - target) < abs(taken - target):
+            chosen.append(index)
+            taken += size
+    return chosen
+
+
+def chunk_units(sizes: Sequence[int], chunk_numel: int) -> list[list[int]]:
+    """Consecutive groups of unit indices of about ``chunk_numel`` elements each (at least one unit):
+    the host steps one group per optimizer call, amortizing the call while the previous group's
+    updated values travel back to the device."""
+    groups: list[list[int]] = []
+    size = 0
+    for index, n in enumerate(sizes):
+        if not groups or size + n > chunk_numel:
+            groups.append([])
+            size = 0
+        groups[-1].append(index)
+        size += n
+    return groups

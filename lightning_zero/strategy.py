@@ -54,6 +54,18 @@ __all__ = ["ZeroStrategy"]
 log = logging.getLogger(__name__)
 
 
+PRESETS = (
+    ("zero2_offload", "ZeRO stage 2; fp32 master, gradients and optimizer state on the CPU, stepped there",
+     ZeroConfig(stage=2, offload_optimizer="cpu")),
+    ("zero3_offload", "ZeRO stage 3; optimizer side and parameter shards on the CPU",
+     ZeroConfig(stage=3, offload_optimizer="cpu", offload_params="cpu")),
+    ("zero3_offload_nvme", "ZeRO stage 3; optimizer state and parameter shards in files under nvme_path "
+     "(or $LIGHTNING_ZERO_NVME_PATH)", ZeroConfig(stage=3, offload_optimizer="nvme", offload_params="nvme")),
+    ("zero_auto", "ZeRO with the stage and offload placement planned at setup for the devices and model",
+     ZeroConfig(auto_placement=True)),
+)
+
+
 class ZeroStrategy(ParallelStrategy):
     """ZeRO stages 1-3 for any LightningModule.
 
@@ -463,6 +475,8 @@ class ZeroStrategy(ParallelStrategy):
                             (3, "optimizer state, gradients and parameters")):
             strategy_registry.register(f"zero{stage}", cls, description=f"ZeRO stage {stage}: shards {what}",
                                        config=ZeroConfig(stage=stage))
+        for name, description, config in PRESETS:
+            strategy_registry.register(name, cls, description=description, config=config)
 
 
 def _end_gather_group(engine: ZeroEngine) -> None:

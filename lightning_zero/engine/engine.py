@@ -33,6 +33,7 @@ from .grads import GradientReducer, ReducePolicy
 from .groups import build_needs, group_lookup, group_modules, members_of, owner_of
 from .guard import install_state_dict_guard
 from .materialize import RngState, check_no_meta_left, has_meta, materialize_module
+from .offload import Offloader
 from .optim import adopt, check_optimizer, pieces_in_groups, release, unwrap
 from .readiness import ForwardOrder
 
@@ -41,6 +42,14 @@ __all__ = ["ZeroEngine", "dtype_of"]
 
 def dtype_of(name: Optional[str], default: torch.dtype) -> torch.dtype:
     return default if name is None else getattr(torch, DTYPE_NAMES[name])
+
+
+def _by_device(tensors: Iterable[torch.Tensor]) -> dict[torch.device, list[torch.Tensor]]:
+    """Tensors grouped by device: foreach kernels take one device at a time (offloaded gradients are on the host)."""
+    out: dict[torch.device, list[torch.Tensor]] = {}
+    for t in tensors:
+        out.setdefault(t.device, []).append(t)
+    return out
 
 
 class ZeroEngine:
@@ -79,6 +88,7 @@ class ZeroEngine:
         self.units: list[FlatUnit] = []
         self._build_units(init_rng)
         self._prepare_buffers()
+        self.offloader = Offloader(self.units, config, self.device, compute_dtype) if config.offloads else None
         self._slot = {id(p): (u, i) for u in self.units for i, p in enumerate(u.params)}
         self._grad_slots: list[set[int]] = [set() for _ in self.units]  # slots whose parameter holds a gradient
         self.window = 0  # windows closed so far (see engine.grads [Note: the window])
@@ -89,7 +99,8 @@ class ZeroEngine:
                               reduce_dtype=self.reduce_dtype,
                               accum_dtype=dtype_of(config.grad_accum_dtype, compute_dtype))
         self.reducer = GradientReducer(self.units, comm, policy, agree_order=self._agree_order,
-                                       on_backward_end=self.gatherer.end_of_backward if self.gatherer else None)
+                                       on_backward_end=self.gatherer.end_of_backward if self.gatherer else None,
+                                       sink=self.offloader.take_reduced if self.offloader else None)
         self._wrappers = {id(o): [w for w in wrappers if unwrap(w) is o] for o in self.optimizers}
         for optimizer in self.optimizers:
             adopt(optimizer, self.optimizer_step, self.zero_grad, self._wrappers[id(optimizer)])
@@ -249,6 +260,8 @@ class ZeroEngine:
         used = self.reducer.close_window()
         if used is None:
             return
+        if self.offloader is not None:
+            self.offloader.wait_copies()  # the host reads the offloaded gradients from here on
         for unit in self.units:
             for slot in used[unit.index]:
                 self._grad_slots[unit.index].add(slot)
@@ -295,11 +308,13 @@ class ZeroEngine:
     @torch.no_grad()
     def unscale_and_check_(self, inv_scale: float, check: bool = True) -> bool:
         """Multiply every gradient piece by ``inv_scale``; True if any rank saw inf/nan (one all-reduce)."""
-        grads = self.all_grads()
         found = torch.zeros(1, dtype=torch.float32, device=self.device)
-        if grads and (check or inv_scale != 1.0):
-            inv = torch.full((1,), inv_scale, dtype=torch.float32, device=self.device)
-            torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv)
+        if check or inv_scale != 1.0:
+            for device, grads in _by_device(self.all_grads()).items():  # offloaded gradients are on the host
+                found_here = torch.zeros(1, dtype=torch.float32, device=device)
+                inv = torch.full((1,), inv_scale, dtype=torch.float32, device=device)
+                torch._amp_foreach_non_finite_check_and_unscale_(grads, found_here, inv)
+                found = torch.maximum(found, found_here.to(self.device))
         if check:
             self.comm.all_reduce(found, op="max")
         return bool(found.item() > 0)
@@ -307,21 +322,24 @@ class ZeroEngine:
     @torch.no_grad()
     def grad_norm(self, optimizer: torch.optim.Optimizer, norm_type: float = 2.0) -> torch.Tensor:
         """Global gradient norm of ``optimizer``'s parameters over every rank's pieces."""
-        grads = self.grads(optimizer)
-        zero = torch.zeros((), device=self.device)
+        local = torch.zeros((), device=self.device)
+        for grads in _by_device(self.grads(optimizer)).values():
+            if norm_type == math.inf:
+                part = torch.stack([g.abs().max() for g in grads if g.numel()] or [torch.zeros((), device=grads[0].device)]).max()
+                local = torch.maximum(local, part.float().to(self.device))
+            else:
+                local = local + torch.stack(torch._foreach_norm(grads, norm_type)).pow(norm_type).sum().float().to(self.device)
         if norm_type == math.inf:
-            local = torch.stack([g.abs().max() for g in grads if g.numel()]).max() if grads else zero
             return self.comm.all_reduce(local.float().reshape(1), op="max")[0]
-        local = torch.stack(torch._foreach_norm(grads, norm_type)).pow(norm_type).sum() if grads else zero
         return self.comm.all_reduce(local.float().reshape(1), op="sum")[0].pow(1.0 / norm_type)
 
     @torch.no_grad()
     def clip_grad_norm_(self, optimizer: torch.optim.Optimizer, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Like ``torch.nn.utils.clip_grad_norm_`` over the optimizer's parameters, across shards."""
         total = self.grad_norm(optimizer, norm_type)
-        grads = self.grads(optimizer)
-        if grads:
-            torch._foreach_mul_(grads, torch.clamp(max_norm / (total + 1e-6), max=1.0).to(grads[0].device))
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for device, grads in _by_device(self.grads(optimizer)).items():
+            torch._foreach_mul_(grads, coef.to(device))
         return total
 
     @torch.no_grad()
@@ -355,6 +373,18 @@ class ZeroEngine:
         optimizer = unwrap(optimizer)
         self.finish_grads()
         self.grad_bytes_at_step = sum(u.grad_shard.numel() * 4 for u in self.units if u.grad_shard is not None)
+        if self.offloader is not None:
+            published: set[int] = set()
+
+            def publish(units: list[FlatUnit]) -> None:
+                self.republish(units)
+                published.update(u.index for u in units)
+
+            with torch.no_grad():
+                out = self.offloader.step(optimizer, lambda: optimizer._zero_inner_step(**kwargs), self.piece_of,
+                                          lambda p: self._slot[id(p)][0], publish)
+            self._consume(optimizer, publish=True, published=published)
+            return out
         with torch.no_grad(), pieces_in_groups(optimizer, self.piece_of):
             out = optimizer._zero_inner_step(**kwargs)
         self._consume(optimizer, publish=True)
@@ -371,20 +401,24 @@ class ZeroEngine:
         self._consume(optimizer, publish=False)
 
     @torch.no_grad()
-    def _consume(self, optimizer: torch.optim.Optimizer, publish: bool) -> None:
+    def _consume(self, optimizer: torch.optim.Optimizer, publish: bool, published: Iterable[int] = ()) -> None:
         touched: dict[int, FlatUnit] = {}
+        dropped: dict[int, list[torch.Tensor]] = {}
         for unit, slot in self.slots_of(optimizer):
             if slot in self._grad_slots[unit.index]:  # the same on every rank: a global flag
                 self._grad_slots[unit.index].discard(slot)
                 touched[unit.index] = unit
                 piece = unit.pieces[slot]
                 if piece is not None and piece.grad is not None:
-                    piece.grad.zero_()  # the shard may live on for other parameters' gradients
+                    dropped.setdefault(unit.index, []).append(piece.grad)
                     piece.grad = None
-        for unit in touched.values():
+        for k, unit in touched.items():
             unit.release_grad_shard_if_unused()
+            if unit.grad_shard is not None:  # it lives on for another optimizer's gradients: clear ours
+                torch._foreach_zero_(dropped.get(k, []))
         if publish:
-            self.republish([u for _, u in sorted(touched.items())])
+            done = set(published)
+            self.republish([u for k, u in sorted(touched.items()) if k not in done])
 
     @torch.no_grad()
     def republish(self, units: Optional[Iterable[FlatUnit]] = None) -> None:
@@ -393,7 +427,10 @@ class ZeroEngine:
         Stages 1/2 keep every unit gathered; stage 3 refreshes the ones gathered now (persistent
         small units, a held root). The others are gathered from the new shards at their next use.
         """
-        stale = [u for u in (self.units if units is None else units) if u.state is UnitState.UNSHARDED]
+        units = self.units if units is None else list(units)
+        for unit in units:
+            unit.refresh_param_shard()
+        stale = [u for u in units if u.state is UnitState.UNSHARDED]
         handles = [self.comm.all_gather(u.full, u.gather_source(), async_op=True) for u in stale]
         for handle in handles:
             handle.wait()

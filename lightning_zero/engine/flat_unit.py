@@ -72,6 +72,8 @@ class FlatUnit:
     piece_of: list[Optional[Piece]] = field(default_factory=list)  # per slot
     grad_shard: Optional[torch.Tensor] = None
     grad_full: Optional[torch.Tensor] = None
+    param_shard: Optional[torch.Tensor] = None  # offloaded stage-3 unit: compute-dtype shard to gather from
+    home: Optional[torch.device] = None  # the compute device (the master may live on the host)
 
     @property
     def shard_slice(self) -> slice:
@@ -80,7 +82,8 @@ class FlatUnit:
 
     @property
     def device(self) -> torch.device:
-        return self.master.device
+        """Where compute buffers (``full``, gradient buffers) live, wherever the master is."""
+        return self.home if self.home is not None else self.master.device
 
     @property
     def full_bytes(self) -> int:
@@ -93,6 +96,7 @@ class FlatUnit:
     # ---- construction ---------------------------------------------------------------------
     def build(self, staging: torch.Tensor, keep_full: bool, placeholder_ids: list[int]) -> None:
         """Take an fp32 full-size flat tensor (identical on all ranks) as the unit's values."""
+        self.home = staging.device
         self.full = staging if self.compute_dtype == torch.float32 else staging.to(self.compute_dtype)
         self.views = self.param_views(self.full)
         if keep_full and self.compute_dtype == torch.float32:
@@ -137,20 +141,26 @@ class FlatUnit:
         return self.full is not None and self.full.untyped_storage().nbytes() > 0
 
     def gather_source(self) -> torch.Tensor:
-        """This rank's chunk in compute dtype, as all-gather input."""
-        if self.master.dtype == self.compute_dtype:
-            return self.master
+        """This rank's chunk in compute dtype on the compute device, as all-gather input."""
+        src = self.param_shard if self.param_shard is not None else self.master
+        if src.dtype == self.compute_dtype and src.device == self.device:
+            return src
         if self.state is UnitState.UNSHARDED or self.storage_alive:
             chunk = self.full[self.shard_slice]
-            chunk.copy_(self.master)
+            chunk.copy_(src, non_blocking=src.is_pinned())  # a pinned host source: queued, not waited for
             return chunk
-        return self.master.to(self.compute_dtype)
+        return src.to(device=self.device, dtype=self.compute_dtype)
+
+    def refresh_param_shard(self) -> None:
+        """After the master changed: the compute-dtype shard stage 3 gathers from follows it."""
+        if self.param_shard is not None:
+            self.param_shard.copy_(self.master, non_blocking=self.master.is_pinned())
 
     # ---- gradients ----------------------------------------------------------------------------
     def grad_view(self, slot_index: int) -> torch.Tensor:
         """This rank's piece of ``grad_shard`` for one parameter (the piece's ``.grad``)."""
-        if self.grad_shard is None:
-            self.grad_shard = torch.zeros(self.layout.shard_numel, dtype=torch.float32, device=self.device)
+        if self.grad_shard is None:  # next to the master: a piece and its gradient share a device
+            self.grad_shard = torch.zeros(self.layout.shard_numel, dtype=torch.float32, device=self.master.device)
         piece = self.piece_of[slot_index]
         return self.grad_shard[piece.shard_start:piece.shard_start + piece.length]
 

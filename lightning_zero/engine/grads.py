@@ -75,17 +75,21 @@ class GradientReducer:
         agree_order: called at the first backward; returns the launch order (unit indices)
             every rank uses, or None to keep index order.
         on_backward_end: called once each backward has finished.
+        sink: ``sink(unit, reduced, last_micro_batch)`` takes each reduced chunk instead of the
+            unit's gradient shard (offload).
     """
 
     def __init__(self, units: list[FlatUnit], comm: Comm, policy: ReducePolicy,
                  agree_order: Optional[Callable[[], Optional[list[int]]]] = None,
-                 on_backward_end: Optional[Callable[[], None]] = None) -> None:
+                 on_backward_end: Optional[Callable[[], None]] = None,
+                 sink: Optional[Callable[[FlatUnit, torch.Tensor, bool], None]] = None) -> None:
         self.units = units
         self.comm = comm
         self.policy = policy
         self.order = list(range(len(units)))
         self._agree_order = agree_order
         self.on_backward_end = on_backward_end
+        self.sink = sink  # takes each reduced chunk (offload moves it to the host); None: the unit's grad shard
         self.sync = True  # False inside no_sync (stage 1 accumulates without reducing)
         self._slot_of = {id(p): (u, i) for u in units for i, p in enumerate(u.params)}
         self._hooks: dict[int, object] = {}
@@ -271,7 +275,10 @@ class GradientReducer:
 
     def _complete(self, unit: FlatUnit, out: torch.Tensor, handle: Handle) -> None:
         handle.wait()
-        unit.add_to_grad_shard(out)
+        if self.sink is not None:
+            self.sink(unit, out, self.sync)
+        else:
+            unit.add_to_grad_shard(out)
         self._trace("done", unit.index)
 
     def _trace(self, what: str, unit_index: int) -> None:

@@ -75,7 +75,7 @@ def load_model_state(engine: ZeroEngine, state: dict[str, torch.Tensor], strict:
         found = [next((k for k in keys[id(p)] if k in state), None) for p in unit.params]
         full = torch.zeros(unit.layout.padded_numel, dtype=torch.float32, device=engine.device)
         if None in found:  # parameters the checkpoint lacks keep their current values (one gather a unit)
-            engine.comm.all_gather(full, unit.master.detach())
+            engine.comm.all_gather(full, unit.master.detach().to(engine.device))
         for param, view, key in zip(unit.params, unit.param_views(full), found):
             managed.add(id(param))
             if key is not None:
@@ -103,6 +103,7 @@ def check_keys(expected: Any, have: Any, path: Any = None) -> None:
 
 def _set_unit_values(unit: FlatUnit, full: torch.Tensor) -> None:
     unit.master.copy_(full[unit.shard_slice])
+    unit.refresh_param_shard()
     if unit.state is UnitState.UNSHARDED and unit.full is not None:
         unit.full.copy_(full)
 
