@@ -146,8 +146,8 @@ class ZeroConfig:
                "use a share between 0.0 (all on the device) and 1.0 (all offloaded)")
         _check(self.offload_fraction == 1.0 or self.offload_optimizer != "none", "offload_fraction",
                self.offload_fraction, "a partial placement needs offload_optimizer='cpu' or 'nvme'")
-        _check(self.nvme_buffer_bytes >= 1 << 20, "nvme_buffer_bytes", self.nvme_buffer_bytes,
-               "use at least 1 MiB (the host staging budget of NVMe offload)")
+        _check(self.nvme_buffer_bytes >= 4096, "nvme_buffer_bytes", self.nvme_buffer_bytes,
+               "use a positive number of bytes, at least 4096 (the host staging budget of NVMe offload)")
         _check(self.collective_timeout_s > 0, "collective_timeout_s", self.collective_timeout_s,
                "use a positive number of seconds")
 

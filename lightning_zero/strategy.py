@@ -466,6 +466,8 @@ class ZeroStrategy(ParallelStrategy):
         for engine in {id(e): e for e in (self.engine, kept) if e is not None}.values():
             engine.unflatten(torch.device("cpu"))  # one unit at a time on the device; model_to_device follows
             _end_gather_group(engine)
+            if engine.offloader is not None:
+                engine.offloader.close()  # NVMe files go with the engine
         self.engine = None
 
 

@@ -88,7 +88,7 @@ class ZeroEngine:
         self.units: list[FlatUnit] = []
         self._build_units(init_rng)
         self._prepare_buffers()
-        self.offloader = Offloader(self.units, config, self.device, compute_dtype) if config.offloads else None
+        self.offloader = Offloader(self.units, config, self.device, compute_dtype, comm.rank) if config.offloads else None
         self._slot = {id(p): (u, i) for u in self.units for i, p in enumerate(u.params)}
         self._grad_slots: list[set[int]] = [set() for _ in self.units]  # slots whose parameter holds a gradient
         self.window = 0  # windows closed so far (see engine.grads [Note: the window])

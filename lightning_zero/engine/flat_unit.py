@@ -27,6 +27,7 @@ Lightning's fine-tuning callbacks need).
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -74,6 +75,7 @@ class FlatUnit:
     grad_full: Optional[torch.Tensor] = None
     param_shard: Optional[torch.Tensor] = None  # offloaded stage-3 unit: compute-dtype shard to gather from
     home: Optional[torch.device] = None  # the compute device (the master may live on the host)
+    after_param_io: Optional[Callable[[], None]] = None  # NVMe: release the mapped pages of ``param_shard``
 
     @property
     def shard_slice(self) -> slice:
@@ -148,13 +150,18 @@ class FlatUnit:
         if self.state is UnitState.UNSHARDED or self.storage_alive:
             chunk = self.full[self.shard_slice]
             chunk.copy_(src, non_blocking=src.is_pinned())  # a pinned host source: queued, not waited for
-            return chunk
-        return src.to(device=self.device, dtype=self.compute_dtype)
+        else:
+            chunk = src.to(device=self.device, dtype=self.compute_dtype)
+        if self.after_param_io is not None:
+            self.after_param_io()
+        return chunk
 
     def refresh_param_shard(self) -> None:
         """After the master changed: the compute-dtype shard stage 3 gathers from follows it."""
         if self.param_shard is not None:
             self.param_shard.copy_(self.master, non_blocking=self.master.is_pinned())
+            if self.after_param_io is not None:
+                self.after_param_io()
 
     # ---- gradients ----------------------------------------------------------------------------
     def grad_view(self, slot_index: int) -> torch.Tensor:

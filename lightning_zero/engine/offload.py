@@ -32,6 +32,7 @@ from ..partition import chunk_units, plan_offload
 from .flat_unit import FlatUnit
 from .host import HostArena
 from .optim import pieces_in_groups
+from .swap import ASSUMED_STATE_KEYS, NvmeStore, resolve_nvme_dir
 
 __all__ = ["Offloader", "HOST_STEP_CHUNK"]
 
@@ -52,7 +53,7 @@ class Offloader:
     """
 
     def __init__(self, units: Sequence[FlatUnit], config: ZeroConfig, device: torch.device,
-                 compute_dtype: torch.dtype) -> None:
+                 compute_dtype: torch.dtype, rank: int = 0) -> None:
         self.config = config
         self.device = device
         self.compute_dtype = compute_dtype
@@ -63,14 +64,24 @@ class Offloader:
         self.cuda = device.type == "cuda"
         pin = config.pin_memory and self.cuda
         sizes = [u.layout.shard_numel for u in self.units]
-        self.masters = HostArena(sizes, torch.float32, pin)
+        nvme_masters = config.offload_optimizer == "nvme"
+        self.masters = HostArena([] if nvme_masters else sizes, torch.float32, pin)
         self.grads = HostArena(sizes, torch.float32, pin)
         self.params: Optional[HostArena] = None
         self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
         self._copies: list[Any] = []  # events of device->host gradient copies not yet waited for
         self._accum: dict[int, torch.Tensor] = {}  # device accumulators of the window's earlier micro-batches
-        self._move_masters()
-        self._place_param_shards(pin)
+        self.store: Optional[NvmeStore] = None
+        nvme_params = config.shard_params and config.offload_params == "nvme"
+        if nvme_masters or nvme_params:
+            per_elem = (4 * (1 + ASSUMED_STATE_KEYS) if nvme_masters else 0) + (compute_dtype.itemsize if nvme_params else 0)
+            root = resolve_nvme_dir(config.nvme_path, per_elem * self.offloaded_numel)
+            self.store = NvmeStore(self.units, root, rank, config.nvme_buffer_bytes, pin, masters=nvme_masters,
+                                   params_dtype=compute_dtype if nvme_params else None)
+        if not nvme_masters:
+            self._move_masters()
+        if not nvme_params:
+            self._place_param_shards(pin)
 
     @property
     def offloaded_numel(self) -> int:
@@ -78,9 +89,10 @@ class Offloader:
 
     def describe(self, total_numel: int) -> str:
         share = self.offloaded_numel / total_numel if total_numel else 0.0
-        return (f"offload: {len(self.units)} units, {share:.1%} of the optimizer state on the host "
-                f"({self.config.offload_optimizer}; parameters {self.config.offload_params}"
-                f"{'; pinned' if self.masters.pinned else ''})")
+        where = f"files under {self.store.dir}" if self.store is not None else "host memory"
+        return (f"offload: {len(self.units)} units, {share:.1%} of the optimizer state to {where} "
+                f"(optimizer {self.config.offload_optimizer}, parameters {self.config.offload_params}"
+                f"{', pinned' if self.grads.pinned else ''})")
 
     # ---- placement -------------------------------------------------------------------------
     @torch.no_grad()
@@ -163,16 +175,32 @@ class Offloader:
 
         with pieces_in_groups(optimizer, on_device):
             out = inner()
-        for chunk in chunk_units([u.layout.shard_numel for u in units], HOST_STEP_CHUNK):
-            members = {units[i].index for i in chunk}
 
-            def in_chunk(p: Any, members: set = members) -> Any:
+        def step_chunk(chunk: list[FlatUnit]) -> Any:
+            members = {u.index for u in chunk}
+
+            def in_chunk(p: Any) -> Any:
                 return piece_of(p) if unit_of(p).index in members else None
 
             with pieces_in_groups(optimizer, in_chunk), self._fast_host_kernels(optimizer):
                 inner()
-            publish([units[i] for i in chunk])
+            publish(chunk)
+            if not self.cuda:
+                return None
+            event = torch.cuda.Event()  # the chunk's host memory is read by queued copies until this
+            event.record()
+            return event
+
+        if self.store is not None and self.store.masters:
+            self.store.run(optimizer, self.store.chunks(units), step_chunk)
+        else:
+            for chunk in chunk_units([u.layout.shard_numel for u in units], HOST_STEP_CHUNK):
+                step_chunk([units[i] for i in chunk])
         return out
+
+    def close(self) -> None:
+        if self.store is not None:
+            self.store.close()
 
     @contextmanager
     def _fast_host_kernels(self, optimizer: torch.optim.Optimizer) -> Iterator[None]:
