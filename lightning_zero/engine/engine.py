@@ -461,8 +461,8 @@ class ZeroEngine:
             for unit, full in self.gather_masters():
                 for param, view in zip(unit.params, unit.param_views(full)):
                     param.data = view.to("cpu", copy=True)
-        for unit in self.units:
-            master = unit.master.detach().to("cpu", copy=True)
+        for unit in self.units:  # an offloaded master already lives on the host (or in a file): no copy
+            master = unit.master.detach() if unit.master.device.type == "cpu" else unit.master.detach().to("cpu")
             for piece, where in zip(unit.pieces, unit.piece_of):
                 if piece is not None:
                     piece.data = master[where.shard_start:where.shard_start + where.length]

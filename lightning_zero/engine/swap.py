@@ -17,6 +17,7 @@ from __future__ import annotations
 import mmap
 import os
 import shutil
+import tempfile
 import uuid
 import weakref
 from collections.abc import Callable, Sequence
@@ -49,9 +50,11 @@ def resolve_nvme_dir(path: Optional[str], need_bytes: int) -> Path:
     if not root.is_dir():
         raise NvmePathError(f"nvme_path '{root}' does not exist or is not a directory: create it, or point nvme_path "
                             f"at a directory on a local NVMe disk.")
-    if not os.access(root, os.W_OK | os.X_OK):
-        raise NvmePathError(f"nvme_path '{root}' is not writable by this process: choose a directory you can write "
-                            f"to (a local NVMe disk).")
+    try:  # a real probe: permission bits say nothing for root or for a read-only mount
+        os.rmdir(tempfile.mkdtemp(prefix=".lightning_zero-probe-", dir=root))
+    except OSError as err:
+        raise NvmePathError(f"nvme_path '{root}' is not writable by this process ({err.strerror}): choose a directory "
+                            f"you can write to on a local NVMe disk.") from None
     free = shutil.disk_usage(root).free
     if free < need_bytes:
         raise NvmePathError(f"nvme_path '{root}' has {free / 2**30:.2f} GiB free; NVMe offload of this model needs "
@@ -106,6 +109,7 @@ class NvmeStore:
         self.units = list(units)
         self.files: dict[tuple[int, str], MappedFile] = {}
         self.state_keys: list[str] = []
+        self.budget_bytes = budget_bytes
         self.slot_numel = budget_bytes // 4 // SLOTS
         need = max((u.layout.shard_numel for u in self.units), default=0) * (1 + ASSUMED_STATE_KEYS)
         if need > self.slot_numel:
@@ -126,8 +130,9 @@ class NvmeStore:
 
     def _too_small(self, need_numel: int) -> None:
         raise NvmePathError(
-            f"nvme_buffer_bytes={self.slot_numel * 4 * SLOTS} is too small: the largest offloaded unit needs "
-            f"{need_numel * 4 / 2**20:.1f} MiB per staging slot and NVMe offload uses {SLOTS} slots; set "
+            f"nvme_buffer_bytes={self.budget_bytes} is too small: the largest offloaded unit needs "
+            f"{need_numel * 4 / 2**10:.0f} KiB per staging slot (fp32 master and optimizer state) and NVMe offload "
+            f"uses {SLOTS} slots; set "
             f"nvme_buffer_bytes to at least {need_numel * 4 * SLOTS} or make units smaller (reduce_bucket_size, "
             f"wrap_modules).")
 

@@ -1,0 +1,128 @@
+"""Offload cases for ``tests/test_offload.py``: each rank returns what it saw."""
+
+from __future__ import annotations
+
+import resource
+import threading
+import time
+
+import lightning.pytorch as pl
+import torch
+from checkpoint_cases import FIRST, TOTAL, fit_steps
+from lightning_cases import fit_case
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import lightning_zero
+from lightning_zero import ZeroConfig, ZeroStrategy
+
+LM = dict(accumulate=2, clip_val=0.5)
+SMALL_UNITS = dict(min_group_params=10, param_persistence_threshold=0)
+
+
+def nvme(path: str, **more) -> dict:
+    # 32 KiB of staging (three slots of ~2.7k elements): zero2's units stream in several chunks a step;
+    # stage 3's largest group needs a larger slot
+    budget = 96 * 1024 if "offload_params" in more else 32 * 1024
+    return dict(offload_optimizer="nvme", nvme_path=path, nvme_buffer_bytes=budget, **more)
+
+
+def parity_cases(nvme_dir: str) -> dict:
+    cpu = dict(offload_optimizer="cpu")
+    return {
+        "ddp": (("lm", "ddp"), LM),
+        "zero1_cpu": (("lm", "zero1"), dict(LM, options=cpu)),
+        "zero2_cpu": (("lm", "zero2"), dict(LM, options=cpu)),
+        "zero2_half": (("lm", "zero2"), dict(LM, options=dict(cpu, offload_fraction=0.5))),
+        "zero3_cpu": (("lm", "zero3"), dict(LM, options=dict(cpu, offload_params="cpu", **SMALL_UNITS))),
+        "zero3_opt_third": (("lm", "zero3"), dict(LM, options=dict(cpu, offload_fraction=0.3, **SMALL_UNITS))),
+        "zero2_nvme": (("lm", "zero2"), dict(LM, options=nvme(nvme_dir))),
+        "zero3_nvme": (("lm", "zero3"), dict(LM, options=nvme(nvme_dir, offload_params="nvme", **SMALL_UNITS))),
+        "zero3_nvme_cpu": (("lm", "zero3"), dict(LM, options=nvme(nvme_dir, offload_params="cpu", **SMALL_UNITS))),
+        "gan_ddp": (("gan", "ddp_find_unused_parameters_true"), {}),
+        "gan_zero2_cpu": (("gan", "zero2"), dict(options=dict(cpu, offload_fraction=0.6))),
+        "gan_zero2_nvme": (("gan", "zero2"), dict(options=nvme(nvme_dir))),
+        "zero2_bf16": (("lm", "zero2"), dict(LM, precision="bf16-mixed")),
+        "zero2_bf16_cpu": (("lm", "zero2"), dict(LM, precision="bf16-mixed", options=cpu)),
+        "zero3_bf16": (("lm", "zero3"), dict(LM, precision="bf16-mixed", options=SMALL_UNITS)),
+        "zero3_bf16_nvme": (("lm", "zero3"), dict(LM, precision="bf16-mixed",
+                                                   options=nvme(nvme_dir, offload_params="nvme", **SMALL_UNITS))),
+        "fp16": (("lm", "zero2"), dict(plugin="16-mixed", inject=(2, 3), options=dict(initial_scale_power=8))),
+        "fp16_cpu": (("lm", "zero2"), dict(plugin="16-mixed", inject=(2, 3),
+                                           options=dict(cpu, initial_scale_power=8, offload_fraction=0.5))),
+    }
+
+
+def run_parity(rank: int, world: int, nvme_dir: str) -> dict:
+    cases = parity_cases(nvme_dir)
+    return {name: fit_case(rank, world, *args, **kwargs) for name, (args, kwargs) in cases.items()}
+
+
+def run_checkpoints(rank: int, world: int, d: str, nvme_dir: str) -> dict:
+    """Offloaded state saved and restored through sharded checkpoints, to and from plain stages."""
+    cpu = dict(options=dict(offload_optimizer="cpu", offload_fraction=0.5))
+    z3 = dict(options=nvme(nvme_dir, offload_params="nvme"))
+    return {
+        "ref": fit_steps(world, "zero2", TOTAL),
+        "cpu_a": fit_steps(world, "zero2", FIRST, save_to=f"{d}/cpu.ckpt", **cpu),
+        "plain_from_cpu": fit_steps(world, "zero2", TOTAL, ckpt_in=f"{d}/cpu.ckpt"),
+        "nvme_a": fit_steps(world, "zero3", FIRST, save_to=f"{d}/nvme.ckpt", **z3),
+        "nvme_from_nvme": fit_steps(world, "zero3", TOTAL, ckpt_in=f"{d}/nvme.ckpt", **z3),
+        "cpu_from_nvme": fit_steps(world, "zero2", TOTAL, ckpt_in=f"{d}/nvme.ckpt", **cpu),
+        "plain_a": fit_steps(world, "zero1", FIRST, save_to=f"{d}/plain.ckpt"),
+        "nvme_from_plain": fit_steps(world, "zero3", TOTAL, ckpt_in=f"{d}/plain.ckpt", **z3),
+    }
+
+
+class Wide(pl.LightningModule):
+    """Parameters dominate memory: ``layers`` square layers of width 512 (no activations to speak of)."""
+
+    def __init__(self, layers: int, dim: int = 512) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(*[nn.Linear(dim, dim, bias=False) for _ in range(layers)])
+
+    def training_step(self, batch, batch_idx):
+        return self.layers(batch[0]).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-4)
+
+
+class _PeakRss:
+    """Samples this process's RSS (it also reads ru_maxrss, which is a lifetime peak)."""
+
+    def __init__(self) -> None:
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            with open("/proc/self/statm") as f:
+                self.peak = max(self.peak, int(f.read().split()[1]) * resource.getpagesize())
+            time.sleep(0.002)
+
+    def __enter__(self) -> _PeakRss:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def rss_case(rank: int, world: int, layers: int, options: dict) -> dict:
+    """Peak RSS growth over a fit of ``Wide(layers)`` under zero2 (one layer a unit) with ``options``."""
+    assert lightning_zero
+    pl.seed_everything(0, verbose=False)
+    module = Wide(layers)
+    data = DataLoader(TensorDataset(torch.randn(8, 512)), batch_size=2)
+    config = ZeroConfig(stage=2, reduce_bucket_size=512 * 512, **options)
+    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=ZeroStrategy(config=config),
+                         max_steps=3, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, use_distributed_sampler=False)
+    with open("/proc/self/statm") as f:
+        before = int(f.read().split()[1]) * resource.getpagesize()
+    with _PeakRss() as rss:
+        trainer.fit(module, data)
+    return {"growth": rss.peak - before, "numel": sum(p.numel() for p in module.parameters())}

@@ -1,0 +1,151 @@
+"""Offload of the optimizer side (and stage-3 parameters) to CPU memory and to NVMe files."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from dist_utils import run_ranks
+from offload_cases import rss_case, run_checkpoints, run_parity
+from parity import assert_parity, global_l2_err, rel_err, state_err
+from test_checkpoint import assert_resumed_like
+
+from lightning_zero import ZeroConfig, ZeroConfigError
+from lightning_zero.engine.swap import NvmePathError, resolve_nvme_dir
+from lightning_zero.partition import chunk_units, plan_offload
+
+
+@pytest.fixture(scope="module")
+def nvme_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("nvme"))
+
+
+@pytest.fixture(scope="module")
+def world2(nvme_dir):
+    out = run_ranks(run_parity, 2, nvme_dir, lightning=True)
+    assert os.listdir(nvme_dir) == [], "NVMe offload files outlived the engine"
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("run", ["zero1_cpu", "zero2_cpu", "zero2_half", "zero3_cpu", "zero3_opt_third",
+                                 "zero2_nvme", "zero3_nvme", "zero3_nvme_cpu"])
+def test_fp32_offload_matches_ddp(world2, run):
+    # accumulation 2, global-norm clipping 0.5: every offload placement trains like DDP
+    for results in world2:
+        assert_parity(results[run], results["ddp"])
+        assert results[run]["global_step"] == results["ddp"]["global_step"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("run", ["gan_zero2_cpu", "gan_zero2_nvme"])
+def test_two_optimizers_offloaded(world2, run):
+    for results in world2:
+        assert_parity(results[run], results["gan_ddp"])
+
+
+@pytest.mark.slow
+def test_bf16_offload_same_math_as_device(world2):
+    # the host steps the same fp32 master from the same bf16 gradients as the device would
+    for results in world2:
+        assert global_l2_err(results["zero2_bf16_cpu"]["state"], results["zero2_bf16"]["state"]) < 1e-6
+        assert global_l2_err(results["zero3_bf16_nvme"]["state"], results["zero3_bf16"]["state"]) < 1e-6
+
+
+@pytest.mark.slow
+def test_fp16_overflow_vote_sees_offloaded_gradients(world2):
+    # inf injected on rank 1 at steps 2 and 3; half the units' gradients are on the host
+    for results in world2:
+        run, ref = results["fp16_cpu"], results["fp16"]
+        assert run["scale"] == ref["scale"] < 2.0**8
+        assert rel_err(run["trace"][2], run["trace"][1]) == 0.0  # the step was skipped everywhere
+        assert state_err(run["state"], ref["state"]) <= 1e-5
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory, nvme_dir):
+    d = str(tmp_path_factory.mktemp("ckpt"))
+    return run_ranks(run_checkpoints, 2, d, nvme_dir, lightning=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("run", ["plain_from_cpu", "nvme_from_nvme", "cpu_from_nvme", "nvme_from_plain"])
+def test_offloaded_state_checkpoints_resume_exactly(checkpoints, run):
+    for r in checkpoints:
+        assert_resumed_like(r[run], r["ref"])
+
+
+@pytest.mark.slow
+def test_nvme_host_memory_stays_within_the_staging_budget():
+    # Same model (16 layers of 512^2 fp32 parameters, AdamW) on one rank: CPU offload holds master and
+    # moments in host memory (12 bytes a parameter), NVMe offload only its staging budget.
+    budget = 12 << 20  # three slots of one layer's master and two moments
+    cpu = run_ranks(rss_case, 1, 16, dict(offload_optimizer="cpu"), lightning=True)[0]
+    nvme = run_ranks(rss_case, 1, 16, dict(offload_optimizer="nvme", nvme_path=_tmp(), nvme_buffer_bytes=budget),
+                     lightning=True)[0]
+    big = run_ranks(rss_case, 1, 64, dict(offload_optimizer="nvme", nvme_path=_tmp(), nvme_buffer_bytes=budget),
+                    lightning=True)[0]
+    state = 12 * cpu["numel"]
+    print(f"peak RSS growth: cpu offload {cpu['growth'] / 2**20:.1f} MiB, nvme {nvme['growth'] / 2**20:.1f} MiB "
+          f"(4x the parameters: {big['growth'] / 2**20:.1f} MiB); optimizer side {state / 2**20:.1f} MiB")
+    # the staging slots (12 MiB) and first-step moments waiting to be written stand in for 48 MiB
+    assert cpu["growth"] - nvme["growth"] >= 0.6 * state
+    # 4x the parameters: the growth follows the gradients and parameters (8 bytes a parameter), not 20
+    assert big["growth"] - nvme["growth"] <= 8 * (big["numel"] - nvme["numel"]) + 2 * budget
+
+
+def _tmp() -> str:
+    import tempfile
+
+    return tempfile.mkdtemp(prefix="lz-nvme-")
+
+
+def test_placement_by_bytes():
+    assert plan_offload([10, 10, 10, 10], 0.5) == [0, 1]
+    assert plan_offload([100], 0.4) == [] and plan_offload([100], 0.6) == [0]
+    assert plan_offload([5, 100, 5], 0.1) == [0, 2]  # skips the unit that would overshoot
+    assert plan_offload([1, 2, 3], 1.0) == [0, 1, 2] and plan_offload([1, 2, 3], 0.0) == []
+    sizes = [7, 3, 9, 1, 12, 5, 8]
+    for f in (0.1, 0.25, 0.5, 0.75, 0.9):
+        chosen = plan_offload(sizes, f)
+        assert abs(sum(sizes[i] for i in chosen) / sum(sizes) - f) <= max(sizes) / sum(sizes) / 2 + 1e-9
+    assert chunk_units([5, 5, 5, 20, 1], 10) == [[0, 1], [2], [3], [4]]
+
+
+@pytest.mark.parametrize("kwargs,needle", [
+    (dict(stage=2, offload_params="cpu"), "stage 3"),
+    (dict(stage=3, offload_params="cpu"), "offload_optimizer"),
+    (dict(offload_fraction=0.5), "partial placement"),
+    (dict(offload_optimizer="cpu", offload_fraction=1.5), "between 0.0"),
+    (dict(offload_optimizer="gpu"), "'none', 'cpu' or 'nvme'"),
+    (dict(offload_optimizer="nvme", nvme_buffer_bytes=10), "nvme_buffer_bytes"),
+])
+def test_impossible_offload_configs_are_one_line_errors(kwargs, needle):
+    with pytest.raises(ZeroConfigError) as err:
+        ZeroConfig(**kwargs)
+    assert needle in str(err.value) and "\n" not in str(err.value)
+
+
+def test_bad_nvme_paths_are_one_line_errors(tmp_path, monkeypatch):
+    monkeypatch.delenv("LIGHTNING_ZERO_NVME_PATH", raising=False)
+    cases = [(None, 1, "LIGHTNING_ZERO_NVME_PATH"), (str(tmp_path / "nope"), 1, "does not exist"),
+             ("/proc/1", 1, "not writable"), (str(tmp_path), 1 << 62, "GiB free")]
+    for path, need, needle in cases:
+        with pytest.raises(NvmePathError) as err:
+            resolve_nvme_dir(path, need)
+        assert needle in str(err.value) and "\n" not in str(err.value)
+    monkeypatch.setenv("LIGHTNING_ZERO_NVME_PATH", str(tmp_path))
+    assert resolve_nvme_dir(None, 1) == tmp_path
+
+
+def test_staging_budget_smaller_than_a_unit_is_a_clear_error(tmp_path):
+    from torch import nn
+
+    from lightning_zero import ZeroEngine
+    from lightning_zero.collectives import Comm
+
+    model = nn.Linear(64, 64)
+    config = ZeroConfig(stage=2, offload_optimizer="nvme", nvme_path=str(tmp_path), nvme_buffer_bytes=4096)
+    with pytest.raises(NvmePathError, match="nvme_buffer_bytes=4096 is too small"):
+        ZeroEngine(model, [torch.optim.AdamW(model.parameters())], config, Comm(), torch.device("cpu"))
