@@ -94,6 +94,8 @@ class ZeroEngine:
         self.window = 0  # windows closed so far (see engine.grads [Note: the window])
         self.grad_bytes_at_step = 0
         self.gatherer = self._make_gatherer() if config.shard_params else None
+        if self.gatherer is not None and self.offloader is not None:
+            self.gatherer.copy_stream = self.offloader.copy_stream
         self._forward = ForwardOrder(module) if comm.world_size > 1 or comm.force else None
         policy = ReducePolicy(shard_grads=config.shard_grads, overlap=config.overlap_comm,
                               reduce_dtype=self.reduce_dtype,

@@ -149,7 +149,7 @@ class FlatUnit:
             return src
         if self.state is UnitState.UNSHARDED or self.storage_alive:
             chunk = self.full[self.shard_slice]
-            chunk.copy_(src, non_blocking=src.is_pinned())  # a pinned host source: queued, not waited for
+            _to_device(chunk, src)
         else:
             chunk = src.to(device=self.device, dtype=self.compute_dtype)
         if self.after_param_io is not None:
@@ -159,9 +159,15 @@ class FlatUnit:
     def refresh_param_shard(self) -> None:
         """After the master changed: the compute-dtype shard stage 3 gathers from follows it."""
         if self.param_shard is not None:
-            self.param_shard.copy_(self.master, non_blocking=self.master.is_pinned())
+            _to_device(self.param_shard, self.master)
             if self.after_param_io is not None:
                 self.after_param_io()
+
+    @property
+    def source_on_host(self) -> bool:
+        """Gathers start with a copy from host memory (offloaded master or parameter shard)."""
+        src = self.param_shard if self.param_shard is not None else self.master
+        return src.device.type == "cpu" and self.device.type != "cpu"
 
     # ---- gradients ----------------------------------------------------------------------------
     def grad_view(self, slot_index: int) -> torch.Tensor:
@@ -180,3 +186,14 @@ class FlatUnit:
     def release_grad_shard_if_unused(self) -> None:
         if all(p is None or p.grad is None for p in self.pieces):
             self.grad_shard = None
+
+
+def _to_device(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)`` that converts on the device: torch's own cross-device copy with a dtype change
+    converts on the source side, which for a host source is a slow, synchronous CPU pass."""
+    pinned = src.is_pinned()
+    if src.device != dst.device and src.dtype != dst.dtype and src.device.type == "cpu":
+        staged = torch.empty(src.shape, dtype=src.dtype, device=dst.device)
+        staged.copy_(src, non_blocking=pinned)
+        src, pinned = staged, False
+    dst.copy_(src, non_blocking=pinned)  # a pinned host source: queued, not waited for

@@ -110,6 +110,8 @@ class Gatherer:
         self._held_until_backward_end: list[FlatUnit] = []
         self._group_of = members or {}
         self.peak_gathered_bytes = 0
+        self.copy_stream: Optional[Any] = None  # offload: host-to-device copies and their gathers run here
+        self._ready: dict[int, Any] = {}  # unit index -> event the compute stream waits for before use
         self._hooks: list = []
         for module in needs:
             self._hooks.append(module.register_forward_pre_hook(self._pre_forward, with_kwargs=True))
@@ -136,10 +138,20 @@ class Gatherer:
             return
         with torch.inference_mode(False), torch.no_grad():
             unit.alloc_storage()
-            self._pending[unit.index] = self.comm.all_gather(unit.full, unit.gather_source(), async_op=True)
+            if self.copy_stream is None or not unit.source_on_host:
+                self._pending[unit.index] = self.comm.all_gather(unit.full, unit.gather_source(), async_op=True)
+            else:  # the host-to-device copy must not queue behind compute: a side stream, waited for at use
+                self.copy_stream.wait_stream(torch.cuda.current_stream(unit.device))
+                with torch.cuda.stream(self.copy_stream):
+                    self._pending[unit.index] = self.comm.all_gather(unit.full, unit.gather_source(), async_op=True)
+                    self._ready[unit.index] = torch.cuda.Event()
+                    self._ready[unit.index].record(self.copy_stream)
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
 
     def _wait(self, unit: FlatUnit) -> None:
+        ready = self._ready.pop(unit.index, None)
+        if ready is not None:
+            torch.cuda.current_stream(unit.device).wait_event(ready)
         try:
             self._pending.pop(unit.index).wait()
         except RuntimeError as err:

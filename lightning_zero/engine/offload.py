@@ -67,7 +67,6 @@ class Offloader:
         nvme_masters = config.offload_optimizer == "nvme"
         self.masters = HostArena([] if nvme_masters else sizes, torch.float32, pin)
         self.grads = HostArena(sizes, torch.float32, pin)
-        self.params: Optional[HostArena] = None
         self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
         self._copies: list[Any] = []  # events of device->host gradient copies not yet waited for
         self._accum: dict[int, torch.Tensor] = {}  # device accumulators of the window's earlier micro-batches
@@ -113,10 +112,8 @@ class Offloader:
         if where == "none":
             for unit in self.units:
                 unit.param_shard = torch.empty(unit.layout.shard_numel, dtype=self.compute_dtype, device=self.device)
-        elif self.compute_dtype != torch.float32:  # fp32 compute gathers straight from the host master
-            self.params = HostArena([u.layout.shard_numel for u in self.units], self.compute_dtype, pin)
-            for unit, host in zip(self.units, self.params.views):
-                unit.param_shard = host
+        # offload_params='cpu': gathers copy straight from the fp32 host master and convert on the device
+        # (a 16-bit host copy would cost the CPU a conversion pass every step, beside its optimizer step)
         for unit in self.units:
             unit.refresh_param_shard()
 
