@@ -9,7 +9,7 @@ import time
 import lightning.pytorch as pl
 import torch
 from checkpoint_cases import FIRST, TOTAL, fit_steps
-from lightning_cases import fit_case
+from lightning_cases import MemoryProbe, fit_case
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -126,3 +126,19 @@ def rss_case(rank: int, world: int, layers: int, options: dict) -> dict:
     with _PeakRss() as rss:
         trainer.fit(module, data)
     return {"growth": rss.peak - before, "numel": sum(p.numel() for p in module.parameters())}
+
+
+def planner_case(rank: int, world: int, runs: dict) -> dict:
+    """The memory report (measured storages and the planner's figures) of ``Wide(16)`` under each config."""
+    assert lightning_zero
+    out = {}
+    for name, options in runs.items():
+        pl.seed_everything(0, verbose=False)
+        module = Wide(16)
+        data = DataLoader(TensorDataset(torch.randn(16, 512)), batch_size=2)
+        trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=ZeroStrategy(config=ZeroConfig(**options)),
+                             precision="bf16-mixed", max_steps=3, logger=False, enable_checkpointing=False,
+                             enable_progress_bar=False, enable_model_summary=False, callbacks=[probe := MemoryProbe()])
+        trainer.fit(module, data)
+        out[name] = probe.reports[-1]
+    return out

@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 from dist_utils import run_ranks
-from offload_cases import rss_case, run_checkpoints, run_parity
+from offload_cases import planner_case, rss_case, run_checkpoints, run_parity
 from parity import assert_parity, global_l2_err, rel_err, state_err
 from test_checkpoint import assert_resumed_like
 
@@ -149,3 +149,28 @@ def test_staging_budget_smaller_than_a_unit_is_a_clear_error(tmp_path):
     config = ZeroConfig(stage=2, offload_optimizer="nvme", nvme_path=str(tmp_path), nvme_buffer_bytes=4096)
     with pytest.raises(NvmePathError, match="nvme_buffer_bytes=4096 is too small"):
         ZeroEngine(model, [torch.optim.AdamW(model.parameters())], config, Comm(), torch.device("cpu"))
+
+
+PLANS = {
+    "zero1": dict(stage=1), "zero2": dict(stage=2), "zero3": dict(stage=3),
+    "zero2_cpu": dict(stage=2, offload_optimizer="cpu"),
+    "zero2_cpu_40": dict(stage=2, offload_optimizer="cpu", offload_fraction=0.4, reduce_bucket_size=512 * 512),
+    "zero3_cpu": dict(stage=3, offload_optimizer="cpu", offload_params="cpu"),
+    "zero3_cpu_opt": dict(stage=3, offload_optimizer="cpu"),
+}
+
+
+@pytest.mark.slow
+def test_planner_matches_measured_model_state(tmp_path):
+    # 4.2M parameters, bf16, AdamW, 2 ranks: what lightning_zero.estimate plans per rank against the
+    # storages the engine and optimizer really hold (device part and host part), within 10%
+    runs = dict(PLANS, zero3_nvme=dict(stage=3, offload_optimizer="nvme", offload_params="nvme",
+                                       nvme_path=str(tmp_path), nvme_buffer_bytes=80 << 20))
+    for rank in run_ranks(planner_case, 2, runs, lightning=True):
+        for name, r in rank.items():
+            device, planned = r["device_state_bytes"], r["planned_device_bytes"]
+            assert abs(device - planned) <= 0.1 * planned + 4096, (name, device, planned)
+            host, planned_host = r["offloaded_host_bytes"], r["planned_host_bytes"]
+            assert abs(host - planned_host) <= 0.1 * planned_host + 4096, (name, host, planned_host)
+            if name == "zero3_nvme":
+                assert abs(r["offloaded_nvme_bytes"] - r["planned_nvme_bytes"]) <= 0.1 * r["planned_nvme_bytes"] + 4 * r["num_params"] // 2

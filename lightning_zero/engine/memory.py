@@ -33,6 +33,14 @@ class MemoryReport:
     formula_ours: int = 0
     peak_gathered: int = 0  # stage 3: the largest set of gathered groups alive at once
     window_gradients: int = 0  # stage 1: full gradient buffers of the last window (freed by its reduction)
+    offloaded: dict[str, int] = field(default_factory=dict)  # "host" / "nvme": bytes of the offloaded units' state
+    planned_device: int = 0  # lightning_zero.planner: model state on the device (buffers excluded)
+    planned_host: int = 0
+    planned_nvme: int = 0
+
+    @property
+    def device_state(self) -> int:
+        return self.model_state - sum(self.offloaded.values())
 
     @property
     def model_state(self) -> int:
@@ -42,7 +50,10 @@ class MemoryReport:
         return {"rank": self.rank, "world_size": self.world_size, "stage": self.stage, "num_params": self.num_params,
                 **{f"{k}_bytes": v for k, v in self.measured.items()}, "model_state_bytes": self.model_state,
                 "formula_paper_bytes": self.formula_paper, "formula_ours_bytes": self.formula_ours,
-                "peak_gathered_bytes": self.peak_gathered, "window_gradients_bytes": self.window_gradients}
+                "peak_gathered_bytes": self.peak_gathered, "window_gradients_bytes": self.window_gradients,
+                "offloaded_host_bytes": self.offloaded.get("host", 0), "offloaded_nvme_bytes": self.offloaded.get("nvme", 0),
+                "device_state_bytes": self.device_state, "planned_device_bytes": self.planned_device,
+                "planned_host_bytes": self.planned_host, "planned_nvme_bytes": self.planned_nvme}
 
     def format(self) -> str:
         n, w = self.num_params, self.world_size
@@ -57,6 +68,12 @@ class MemoryReport:
                      f"{_paper_text(self.stage)})")
         if self.stage >= 3:
             lines.append(f"  {'peak gathered':<16} {_fmt(self.peak_gathered):>12}   (stage-3 working set, not model state)")
+        if self.offloaded or self.planned_host:
+            lines.append(f"  {'offloaded':<16} {_fmt(self.offloaded.get('host', 0)):>12} host, "
+                         f"{_fmt(self.offloaded.get('nvme', 0))} NVMe files")
+        lines.append(f"  {'planned':<16} {_fmt(self.planned_device):>12} device, {_fmt(self.planned_host)} host, "
+                     f"{_fmt(self.planned_nvme)} NVMe   (lightning_zero.estimate; measured device "
+                     f"{_ratio(self.device_state, self.planned_device)} of it)")
         if self.window_gradients:
             lines.append(f"  {'window grads':<16} {_fmt(self.window_gradients):>12}   (stage 1: full gradients held while a "
                          f"window accumulates, freed by its reduction)")
@@ -104,6 +121,8 @@ def memory_report(engine: ZeroEngine) -> MemoryReport:
             measured["parameters"] += storages.size(unit.full)
     for unit in engine.units:
         measured["fp32_master"] += storages.size(unit.master)
+        if unit.param_shard is not None and unit.param_shard.device == engine.device and unit.after_param_io is None:
+            measured["parameters"] += storages.size(unit.param_shard)  # offloaded stage-3 unit's gather source
     for unit in engine.units:
         measured["gradients"] += storages.size(unit.grad_shard)
         key = "comm_buffers" if engine.config.shard_grads else "gradients"
@@ -125,11 +144,51 @@ def memory_report(engine: ZeroEngine) -> MemoryReport:
         measured["gradients"] += engine.grad_bytes_at_step
     shard_elems = sum(u.layout.shard_numel for u in engine.units) or 1
     state_bytes_per_elem = measured["optimizer_state"] / shard_elems
-    return MemoryReport(rank=engine.comm.rank, world_size=w, stage=stage, num_params=n, measured=measured,
+    offloaded = _offloaded(engine)
+    planned = _planned(engine, n, state_bytes_per_elem)
+    return MemoryReport(offloaded=offloaded, planned_device=planned[0], planned_host=planned[1], planned_nvme=planned[2],
+                        **_base(engine, n, w, stage, measured, state_bytes_per_elem))
+
+
+def _base(engine: ZeroEngine, n: int, w: int, stage: int, measured: dict, state_bytes_per_elem: float) -> dict:
+    return dict(rank=engine.comm.rank, world_size=w, stage=stage, num_params=n, measured=measured,
                         formula_paper=int(_paper(stage, n, w)),
                         formula_ours=int(_ours(engine, n, w, state_bytes_per_elem)),
                         peak_gathered=engine.gatherer.peak_gathered_bytes if engine.gatherer is not None else 0,
                         window_gradients=0 if engine.config.shard_grads else engine.reducer.window_full_bytes)
+
+
+def _offloaded(engine: ZeroEngine) -> dict[str, int]:
+    """Bytes of the offloaded units' master, gradient arena and optimizer state, by where they live."""
+    off = engine.offloader
+    if off is None:
+        return {}
+    nvme = off.store is not None and off.store.masters
+    pieces = {id(q) for u in off.units for q in u.pieces if q is not None}
+    state = sum(t.numel() * t.element_size() for o in engine.optimizers for k, v in o.state.items() if id(k) in pieces
+                for t in v.values() if isinstance(t, torch.Tensor) and t.dim() > 0)
+    masters = sum(u.layout.shard_numel * 4 for u in off.units)
+    host = off.grads.nbytes + (0 if nvme else masters + state)
+    out = {"host": host}
+    if off.store is not None:  # master and optimizer state files (parameter-shard files are not model state here)
+        out["nvme"] = sum(f.nbytes for (_, key), f in off.store.files.items() if key != "param")
+    return out
+
+
+def _planned(engine: ZeroEngine, n: int, state_bytes: float) -> tuple[int, int, int]:
+    """The planner's model-state bytes for this engine's configuration (device without buffers, host, NVMe)."""
+    from ..planner import Hardware, estimate
+
+    p = torch.empty((), dtype=engine.compute_dtype).element_size()
+    shard = max((u.layout.numel for u in engine.units), default=0)
+    config = engine.config
+    if engine.offloader is not None:  # whole units move: plan with the share that really moved
+        total = sum(u.layout.shard_numel for u in engine.units) or 1
+        config = config.replace(offload_fraction=engine.offloader.offloaded_numel / total)
+    row = estimate(n, config, Hardware(gpus_per_node=1, nodes=engine.comm.world_size), compute_bytes=p,
+                   state_bytes=round(state_bytes), largest_unit=shard)
+    host = row.host - (engine.config.nvme_buffer_bytes if engine.config.offload_optimizer == "nvme" else 0)
+    return row.gpu_state - row.gpu_buffers, host, row.nvme
 
 
 def _paper(stage: int, n: int, w: int) -> float:

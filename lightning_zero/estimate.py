@@ -1,0 +1,95 @@
+"""``python -m lightning_zero.estimate``: what fits where, before renting the machine.
+
+    python -m lightning_zero.estimate --params 13e9 --gpu-mem 139 --host-mem 125 --nvme 60
+    python -m lightning_zero.estimate model=gpt_small --gpus-per-node 8 --nodes 2 --batch 16 --seq 1024
+
+Prints one row per configuration (DDP, zero1/2/3, each offload, the recommended partial placement):
+per-rank GPU memory for model states and in total, host memory, NVMe, the memory left for
+activations and the expected bottleneck. With ``model=NAME`` (a Hydra ``conf/model`` entry) the
+parameters are counted on the meta device and activations estimated as 34·seq·batch·d_model
+bytes a layer (16-bit, fused attention, no recomputation).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Optional
+
+from .planner import GiB, Hardware, Placement, plan
+
+
+def count_model(name: str, overrides: list[str]) -> tuple[int, dict]:
+    """Parameters of a ``conf/model`` entry (built on the meta device) and its shape fields."""
+    import torch
+    from hydra import compose, initialize_config_dir
+    from hydra.utils import instantiate
+
+    from .train import CONF_DIR, register_schema
+
+    register_schema()
+    with initialize_config_dir(str(CONF_DIR), version_base=None):
+        cfg = compose("config", overrides=[f"model={name}", *overrides])
+    with torch.device("meta"):
+        module = instantiate(cfg.model, vocab_size=int(cfg.model.get("vocab_size", 0) or 32000))
+        if getattr(module, "model", None) is None and hasattr(module, "configure_model"):
+            module.configure_model()
+    numel = sum(p.numel() for p in module.parameters())
+    return numel, {k: cfg.model[k] for k in ("n_layer", "d_model") if k in cfg.model}
+
+
+def table(rows: list[Placement], hw: Hardware) -> str:
+    head = (f"{'configuration':<44}{'GPU states':>11}{'GPU total':>11}{'act. free':>11}{'host/rank':>11}"
+            f"{'NVMe/rank':>11}  fits  bottleneck")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(f"{r.name:<44}{r.gpu_state / GiB:>10.1f}G{r.gpu_total / GiB:>10.1f}G"
+                     f"{max(r.free_for_activations, 0) / GiB:>10.1f}G{r.host / GiB:>10.1f}G{r.nvme / GiB:>10.1f}G"
+                     f"  {'yes ' if r.fits else 'no  '}  {r.bottleneck}")
+    lines.append(f"{hw.world} GPU(s) of {hw.gpu_bytes / GiB:.0f} GiB, {hw.host_bytes / GiB:.0f} GiB host and "
+                 f"{hw.nvme_bytes / GiB:.0f} GiB NVMe per node ({hw.gpus_per_node} GPU(s) each). GPU total = states + "
+                 f"activations + CUDA context; 'act. free' = what is left for activations.")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    model = next((a.split("=", 1)[1] for a in argv if a.startswith("model=")), None)
+    overrides = [a for a in argv if "=" in a and not a.startswith("-") and not a.startswith("model=")]
+    flags = [a for a in argv if a.startswith("-") or "=" not in a]
+    ap = argparse.ArgumentParser(prog="python -m lightning_zero.estimate", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--params", type=float, help="parameter count (e.g. 1.3e9); or give model=NAME")
+    ap.add_argument("--gpus-per-node", type=int, default=1)
+    ap.add_argument("--nodes", type=int, default=1)
+    ap.add_argument("--gpu-mem", type=float, default=139.0, help="GiB per GPU")
+    ap.add_argument("--host-mem", type=float, default=125.0, help="GiB per node")
+    ap.add_argument("--nvme", type=float, default=0.0, help="GiB of NVMe space per node")
+    ap.add_argument("--precision", default="bf16-mixed", help="bf16-mixed, 16-mixed or 32-true")
+    ap.add_argument("--batch", type=int, default=8, help="micro-batch per GPU (activation estimate)")
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--activations", type=float, help="GiB of activations per micro-batch (overrides the estimate)")
+    args = ap.parse_args(flags)
+    if (args.params is None) == (model is None):
+        ap.error("give exactly one of --params N or model=NAME")
+    shape: dict = {}
+    if model is not None:
+        numel, shape = count_model(model, overrides)
+    else:
+        numel = int(args.params)
+    p = 4 if args.precision.startswith("32") else 2
+    if args.activations is not None:
+        act = int(args.activations * GiB)
+    elif shape:
+        act = 34 * args.seq * args.batch * shape["d_model"] * shape["n_layer"] * p // 2
+    else:
+        act = 0
+    hw = Hardware(gpus_per_node=args.gpus_per_node, nodes=args.nodes, gpu_bytes=int(args.gpu_mem * GiB),
+                  host_bytes=int(args.host_mem * GiB), nvme_bytes=int(args.nvme * GiB))
+    rows = plan(numel, hw, compute_bytes=p, activations=act, tokens_per_step=args.batch * args.seq * hw.world)
+    print(f"{numel:,} parameters ({numel / 1e9:.2f}B), {args.precision}, activations {act / GiB:.1f} GiB per GPU")
+    print(table(rows, hw))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

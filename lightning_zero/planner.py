@@ -1,0 +1,204 @@
+"""The placement planner: per-rank bytes on GPU, host and NVMe for each ZeRO configuration.
+
+Pure arithmetic, no torch.distributed. It counts what lightning_zero allocates, not only the
+paper's formulas: the fp32 gradient shard (exact accumulation), stage 1's full gradients of a
+window, the in-flight reduce buckets, the stage-3 gathered working set, the device-side
+accumulator offload keeps during accumulation, pinned host arenas, NVMe staging slots and the
+CUDA context. Activations come from the caller (a measured probe step, or an estimate).
+
+``plan(...)`` gives one :class:`Placement` per candidate; ``choose`` picks the one with the least
+traffic that fits (``strategy="zero_auto"``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from .config import ZeroConfig
+
+__all__ = ["Hardware", "Placement", "plan", "estimate", "choose", "CANDIDATES", "CUDA_CONTEXT_BYTES"]
+
+GiB = float(2**30)
+CUDA_CONTEXT_BYTES = int(0.6 * GiB)  # context + cuBLAS workspaces, measured on the H200 (not in max_memory_allocated)
+HEADROOM = 0.92  # share of GPU / host memory a plan may fill (fragmentation, the framework itself)
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """What one node offers (bytes) and how fast it moves data."""
+
+    gpus_per_node: int = 1
+    nodes: int = 1
+    gpu_bytes: int = int(139 * GiB)
+    host_bytes: int = int(125 * GiB)
+    nvme_bytes: int = 0
+    gpu_tflops: float = 790.0  # dense bf16 peak
+    pcie_gbps: float = 51.0  # each way, GB/s
+    cpu_step_params_per_s: float = 4.1e9  # fused CPU AdamW, whole node
+    nvme_gbps: float = 1.5
+
+    @property
+    def world(self) -> int:
+        return self.gpus_per_node * self.nodes
+
+
+@dataclass
+class Placement:
+    """Per-rank memory of one configuration and its expected bottleneck."""
+
+    name: str
+    config: Optional[ZeroConfig]
+    gpu_state: int = 0  # model states + buffers the engine holds on the GPU
+    gpu_buffers: int = 0  # of which transient: reduce buckets, the stage-3 gathered working set
+    gpu_total: int = 0  # + activations + CUDA context
+    host: int = 0  # per rank
+    nvme: int = 0  # per rank
+    activations: int = 0
+    fits: bool = True
+    bottleneck: str = "GPU compute"
+    seconds: dict[str, float] = field(default_factory=dict)
+    why: str = ""
+
+    gpu_total_cap: int = 0
+
+    @property
+    def free_for_activations(self) -> int:
+        return self.gpu_total_cap - self.gpu_state - CUDA_CONTEXT_BYTES
+
+
+def estimate(num_params: int, config: Optional[ZeroConfig], hw: Hardware, *, compute_bytes: int = 2,
+             state_bytes: int = 8, largest_unit: int = 0, activations: int = 0, tokens_per_step: int = 0,
+             accumulate: int = 1) -> Placement:
+    """Bytes per rank for ``config`` (None: DDP with fp32 parameters under autocast).
+
+    Args:
+        num_params: Ψ, trainable parameters.
+        compute_bytes: 2 for bf16/fp16 modules, 4 for fp32.
+        state_bytes: optimizer state per parameter (AdamW: two fp32 moments = 8).
+        largest_unit: elements of the largest stage-3 group (gathered working set); 0: Ψ/24.
+        activations: measured or estimated activation bytes of one micro-batch.
+        tokens_per_step: for the time estimate (6Ψ FLOPs a token).
+        accumulate: micro-batches per step (offload keeps a device accumulator when > 1).
+    """
+    n, w = num_params, hw.world
+    p = compute_bytes
+    master = 4 if p != 4 else 0  # fp32 compute: the master is the parameter itself (stages 1/2)
+    name = "ddp" if config is None else _name(config)
+    out = Placement(name=name, config=config, activations=activations, gpu_total_cap=int(hw.gpu_bytes * HEADROOM))
+    if config is None:  # DDP under autocast: fp32 parameters, fp32 gradients, the optimizer state
+        out.gpu_state = int((4 + 4 + state_bytes) * n + 25e6 * 4)  # + DDP's 25 MB buckets
+    else:
+        f = config.offload_fraction if config.offloads else 0.0
+        shard = n / w
+        bucket = 3 * config.reduce_bucket_size * p  # max_inflight + 1 full-size reduce buffers
+        if config.shard_params:
+            unit = largest_unit or n // 24
+            gathered = (config.prefetch + 1) * unit * p + (2 * unit * p if config.activation_checkpointing else 0)
+            opt_side = (4 + 4 + state_bytes) * shard  # master, fp32 gradient shard, state
+            params_dev = (p * shard) * f if config.offload_params == "none" else 0  # offloaded units' gather source
+            out.gpu_state = int(opt_side * (1 - f) + params_dev + gathered + bucket)
+            out.gpu_buffers = int(gathered + bucket)
+        else:
+            full_grads = 4 * n if config.stage == 1 else 0  # stage 1: a window's fp32 full gradients
+            opt_side = (master + 4 + state_bytes) * shard  # fp32 compute: the parameter is the master
+            out.gpu_state = int(p * n + full_grads + opt_side * (1 - f) + bucket)
+            out.gpu_buffers = int(full_grads + bucket)
+        if f and accumulate > 1:
+            out.gpu_state += int(4 * shard * f)  # device accumulator of the offloaded gradients
+        host_state = int(f * shard * (4 + 4 + state_bytes))
+        if config.offload_optimizer == "nvme":
+            out.nvme = int(f * shard * (4 + state_bytes))
+            out.host = int(f * shard * 4) + config.nvme_buffer_bytes  # gradient shard + staging slots
+        else:
+            out.host = host_state
+        if config.shard_params and config.offload_params == "nvme":
+            out.nvme += int(f * shard * p)
+    out.gpu_total = out.gpu_state + activations + CUDA_CONTEXT_BYTES
+    out.fits = (out.gpu_total <= out.gpu_total_cap and out.host * hw.gpus_per_node <= hw.host_bytes * HEADROOM
+                and out.nvme * hw.gpus_per_node <= hw.nvme_bytes * HEADROOM + (0 if out.nvme else 1))
+    _times(out, n, hw, tokens_per_step, p)
+    return out
+
+
+def _name(config: ZeroConfig) -> str:
+    name = f"zero{config.stage}"
+    if config.offloads:
+        where = config.offload_optimizer + ("+params " + config.offload_params if config.offload_params != "none" else "")
+        share = "" if config.offload_fraction == 1.0 else f" {config.offload_fraction:.0%}"
+        name += f" offload {where}{share}"
+    return name
+
+
+def _times(out: Placement, n: int, hw: Hardware, tokens: int, p: int) -> None:
+    """Seconds per step of each resource; the largest is the bottleneck."""
+    w, config = hw.world, out.config
+    t = {"GPU compute": 6.0 * n * tokens / w / (hw.gpu_tflops * 1e12 * 0.6) if tokens else 0.0}
+    if config is not None and config.offloads:
+        f, shard = config.offload_fraction, n / w
+        moved = f * shard * (4 + 4)  # gradients down, fp32 master up
+        if config.shard_params and config.offload_params != "none":
+            moved += 2 * f * shard * 4  # forward and backward gathers copy from the host
+        t["PCIe"] = moved / (hw.pcie_gbps * 1e9)
+        t["CPU step"] = f * shard / (hw.cpu_step_params_per_s / hw.gpus_per_node)
+        if config.offload_optimizer == "nvme":
+            t["NVMe"] = 2 * out.nvme * hw.gpus_per_node / (hw.nvme_gbps * 1e9)
+    out.seconds = t
+    out.bottleneck = max(t, key=t.get) if any(t.values()) else "GPU compute"
+
+
+CANDIDATES = (
+    None,
+    ZeroConfig(stage=1), ZeroConfig(stage=2), ZeroConfig(stage=3),
+    ZeroConfig(stage=2, offload_optimizer="cpu"),
+    ZeroConfig(stage=3, offload_optimizer="cpu", offload_params="cpu"),
+    ZeroConfig(stage=3, offload_optimizer="nvme", offload_params="nvme"),
+)
+
+
+def plan(num_params: int, hw: Hardware, **kwargs: object) -> list[Placement]:
+    """Every candidate, plus the recommended partial placement, in the order of least traffic first."""
+    rows = [estimate(num_params, c, hw, **kwargs) for c in CANDIDATES]
+    partial = recommend_partial(num_params, hw, **kwargs)
+    if partial is not None:
+        rows.insert(5, partial)
+    return rows
+
+
+def recommend_partial(num_params: int, hw: Hardware, **kwargs: object) -> Optional[Placement]:
+    """zero2 with the smallest offload fraction (steps of 5%) that fits the GPU, when zero2 itself does not."""
+    if estimate(num_params, ZeroConfig(stage=2), hw, **kwargs).fits:
+        return None
+    for percent in range(5, 100, 5):
+        config = ZeroConfig(stage=2, offload_optimizer="cpu", offload_fraction=percent / 100)
+        row = estimate(num_params, config, hw, **kwargs)
+        if row.fits:
+            row.name += " (recommended partial)"
+            return row
+    return None
+
+
+def choose(num_params: int, hw: Hardware, base: ZeroConfig, **kwargs: object) -> Placement:
+    """The first placement that fits, in the order of least traffic: stages without offload, then zero2 with
+    the smallest partial offload that fits, full CPU offload, stage 3 with parameters on the CPU, NVMe."""
+    options = [ZeroConfig(stage=s) for s in (2, 3)]
+    partial = recommend_partial(num_params, hw, **kwargs)
+    if partial is not None:
+        options.append(partial.config)
+    options += [ZeroConfig(stage=2, offload_optimizer="cpu"),
+                ZeroConfig(stage=3, offload_optimizer="cpu", offload_params="cpu")]
+    if hw.nvme_bytes:
+        options.append(ZeroConfig(stage=3, offload_optimizer="nvme", offload_params="nvme"))
+    keep = {k: v for k, v in base.to_dict().items()
+            if k not in ("stage", "offload_optimizer", "offload_params", "offload_fraction", "auto_placement")}
+    for option in options:
+        config = option.replace(**keep)
+        row = estimate(num_params, config, hw, **kwargs)
+        if row.fits:
+            row.why = (f"{row.name}: {row.gpu_total / GiB:.1f} GiB of {hw.gpu_bytes / GiB:.0f} GiB GPU, "
+                       f"{row.host / GiB:.1f} GiB host per rank; the first that fits in order of least traffic")
+            return row
+    raise ValueError(
+        f"No placement fits {num_params / 1e9:.2f}B parameters on {hw.world} GPU(s) of {hw.gpu_bytes / GiB:.0f} GiB "
+        f"with {hw.host_bytes / GiB:.0f} GiB host memory and {hw.nvme_bytes / GiB:.0f} GiB NVMe per node: add GPUs "
+        f"or nodes, give an nvme_path with room, or use activation checkpointing / a smaller micro-batch.")
