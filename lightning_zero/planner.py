@@ -17,7 +17,7 @@ from typing import Optional
 
 from .config import ZeroConfig
 
-__all__ = ["Hardware", "Placement", "plan", "estimate", "choose", "CANDIDATES", "CUDA_CONTEXT_BYTES"]
+__all__ = ["Hardware", "Placement", "plan", "estimate", "choose", "hardware_here", "CANDIDATES", "CUDA_CONTEXT_BYTES"]
 
 GiB = float(2**30)
 CUDA_CONTEXT_BYTES = int(0.6 * GiB)  # context + cuBLAS workspaces, measured on the H200 (not in max_memory_allocated)
@@ -202,3 +202,23 @@ def choose(num_params: int, hw: Hardware, base: ZeroConfig, **kwargs: object) ->
         f"No placement fits {num_params / 1e9:.2f}B parameters on {hw.world} GPU(s) of {hw.gpu_bytes / GiB:.0f} GiB "
         f"with {hw.host_bytes / GiB:.0f} GiB host memory and {hw.nvme_bytes / GiB:.0f} GiB NVMe per node: add GPUs "
         f"or nodes, give an nvme_path with room, or use activation checkpointing / a smaller micro-batch.")
+
+
+ACTIVATION_SHARE = 0.25  # zero_auto plans before any step ran: this share of GPU memory stays free for activations
+
+
+def hardware_here(device: object, gpus_per_node: int, nodes: int, config: ZeroConfig) -> Hardware:
+    """The node this process runs on: its GPU's memory, the host's memory and the NVMe directory's free space."""
+    import os
+    import shutil
+
+    import torch
+
+    gpu = torch.cuda.get_device_properties(device).total_memory if getattr(device, "type", "") == "cuda" else 0
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    path = config.nvme_path or os.environ.get("LIGHTNING_ZERO_NVME_PATH")
+    nvme = shutil.disk_usage(path).free if path and os.path.isdir(path) else 0
+    if not gpu:  # CPU training: "device" memory is the host's, shared by the ranks of the node
+        gpu = host // max(gpus_per_node, 1)
+    return Hardware(gpus_per_node=gpus_per_node, nodes=nodes, gpu_bytes=int(gpu * (1 - ACTIVATION_SHARE)),
+                    host_bytes=host, nvme_bytes=nvme)

@@ -183,6 +183,8 @@ class ZeroStrategy(ParallelStrategy):
             self.model_to_device()
             if fitting:
                 self.setup_optimizers(trainer)
+            if self.config.auto_placement:
+                self._plan_placement()
             optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers] if fitting else []
             self.engine = ZeroEngine(self.lightning_module, optimizers, self.config, self.comm, self.root_device,
                                      self.precision_plugin.compute_dtype, init_rng=self._init_rng,
@@ -194,6 +196,22 @@ class ZeroStrategy(ParallelStrategy):
             self.model_to_device()
             self.engine.restore_param_views()
         self.setup_precision_plugin()
+
+    def _plan_placement(self) -> None:
+        """zero_auto: the planner picks stage and offload for these devices and this model (rank 0 decides)."""
+        from .planner import choose, hardware_here
+
+        module = self.lightning_module
+        numel = sum(p.numel() for p in module.parameters())
+        choice = choose(numel, hardware_here(self.root_device, self.num_processes, self.num_nodes, self.config),
+                        self.config, compute_bytes=2 if self.precision_plugin.compute_dtype != torch.float32 else 4)
+        chosen = [choice.config.to_dict(), choice.why]
+        if self.comm.world_size > 1:
+            torch.distributed.broadcast_object_list(chosen, src=0)
+        self.config = ZeroConfig.from_dict(chosen[0])
+        self.precision_plugin.configure(self.config, explicit=False)
+        log.info("lightning_zero zero_auto: %s", chosen[1])
+        rank_zero_only(print)(f"lightning_zero zero_auto: {chosen[1]}")
 
     def model_to_device(self) -> None:
         assert self.model is not None

@@ -150,7 +150,7 @@ def gan_data() -> DataLoader:
 
 
 def make_strategy(name: str, **options):
-    if name.startswith("ddp") or name == "auto":
+    if name.startswith("ddp") or not name[-1].isdigit():  # "auto", registered names such as "zero_auto"
         return name
     stage = int(name[-1])
     return ZeroStrategy(config=ZeroConfig(stage=stage, reduce_bucket_size=options.pop("bucket", 300), **options))

@@ -47,6 +47,7 @@ def parity_cases(nvme_dir: str) -> dict:
         "zero3_bf16": (("lm", "zero3"), dict(LM, precision="bf16-mixed", options=SMALL_UNITS)),
         "zero3_bf16_nvme": (("lm", "zero3"), dict(LM, precision="bf16-mixed",
                                                    options=nvme(nvme_dir, offload_params="nvme", **SMALL_UNITS))),
+        "auto": (("lm", "zero_auto"), LM),
         "fp16": (("lm", "zero2"), dict(plugin="16-mixed", inject=(2, 3), options=dict(initial_scale_power=8))),
         "fp16_cpu": (("lm", "zero2"), dict(plugin="16-mixed", inject=(2, 3),
                                            options=dict(cpu, initial_scale_power=8, offload_fraction=0.5))),

@@ -29,7 +29,7 @@ def world2(nvme_dir):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("run", ["zero1_cpu", "zero2_cpu", "zero2_half", "zero3_cpu", "zero3_opt_third",
+@pytest.mark.parametrize("run", ["auto", "zero1_cpu", "zero2_cpu", "zero2_half", "zero3_cpu", "zero3_opt_third",
                                  "zero2_nvme", "zero3_nvme", "zero3_nvme_cpu"])
 def test_fp32_offload_matches_ddp(world2, run):
     # accumulation 2, global-norm clipping 0.5: every offload placement trains like DDP
@@ -174,3 +174,38 @@ def test_planner_matches_measured_model_state(tmp_path):
             assert abs(host - planned_host) <= 0.1 * planned_host + 4096, (name, host, planned_host)
             if name == "zero3_nvme":
                 assert abs(r["offloaded_nvme_bytes"] - r["planned_nvme_bytes"]) <= 0.1 * r["planned_nvme_bytes"] + 4 * r["num_params"] // 2
+
+
+def test_estimate_prints_every_configuration(capsys):
+    from lightning_zero.estimate import main
+
+    assert main(["--params", "13e9", "--nvme", "60", "--activations", "4"]) == 0
+    out = capsys.readouterr().out
+    for name in ("ddp", "zero1", "zero2", "zero3", "zero2 offload cpu", "zero3 offload cpu+params cpu",
+                 "zero3 offload nvme+params nvme", "(recommended partial)"):
+        assert name in out
+    assert "bottleneck" in out and "CPU step" in out
+
+
+def test_estimate_counts_a_hydra_model(capsys):
+    pytest.importorskip("hydra")
+    from lightning_zero.estimate import main
+
+    assert main(["model=gpt_small", "--gpus-per-node", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "parameters" in out.splitlines()[0] and int(out.split()[0].replace(",", "")) > 10_000_000
+
+
+def test_auto_placement_picks_in_order_of_traffic_and_explains():
+    from lightning_zero.planner import GiB, Hardware, choose
+
+    base = ZeroConfig(auto_placement=True, prefetch=2)
+    small = choose(1_300_000_000, Hardware(gpu_bytes=int(80 * GiB)), base, activations=int(20 * GiB))
+    assert small.config.stage == 2 and not small.config.offloads and small.config.prefetch == 2
+    big = choose(13_000_000_000, Hardware(gpu_bytes=int(139 * GiB), host_bytes=int(125 * GiB)), base,
+                 activations=int(4 * GiB))
+    assert big.config.offload_optimizer == "cpu" and 0 < big.config.offload_fraction < 1
+    assert "fits" in big.why
+    with pytest.raises(ValueError) as err:
+        choose(70_000_000_000, Hardware(gpu_bytes=int(24 * GiB), host_bytes=int(64 * GiB)), base)
+    assert "No placement fits" in str(err.value) and "\n" not in str(err.value)
