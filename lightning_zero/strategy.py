@@ -190,6 +190,9 @@ class ZeroStrategy(ParallelStrategy):
                                      self.precision_plugin.compute_dtype, init_rng=self._init_rng,
                                      wrappers=self._lightning_optimizers if fitting else ())
             self.precision_plugin.attach(self.engine, self.root_device.type)
+            if self.engine.offloader is not None:
+                total = sum(u.layout.shard_numel for u in self.engine.units)
+                rank_zero_only(log.info)("lightning_zero %s", self.engine.offloader.describe(total))
             if self.config.shard_params:
                 install_summary(trainer)
         else:  # evaluation after fit (stage 3): the kept engine's shards are the model

@@ -76,17 +76,21 @@ def register_schema() -> None:
     ConfigStore.instance().store(group="strategy", name=SCHEMA_NAME, node=zero_schema())
 
 
-def strategy_yaml(stage: int) -> str:
-    """The text of ``conf/strategy/zero{stage}.yaml``: ZeroConfig's defaults with that stage."""
-    body = OmegaConf.to_yaml(OmegaConf.create(ZeroConfig(stage=stage).to_dict()))
-    return (f"# ZeRO stage {stage}. Generated from lightning_zero.config.ZeroConfig (field docs there) by\n"
-            f"# lightning_zero.train.write_strategy_yamls(); regenerate instead of editing by hand.\n"
+def strategy_yaml(stage: int, config: Optional[ZeroConfig] = None, title: str = "") -> str:
+    """The text of ``conf/strategy/<name>.yaml``: ZeroConfig's defaults with that stage (or ``config``)."""
+    body = OmegaConf.to_yaml(OmegaConf.create((config or ZeroConfig(stage=stage)).to_dict()))
+    return (f"# {title or f'ZeRO stage {stage}'}. Generated from lightning_zero.config.ZeroConfig (field docs\n"
+            f"# there) by lightning_zero.train.write_strategy_yamls(); regenerate instead of editing by hand.\n"
             f"defaults:\n  - {SCHEMA_NAME}\n  - _self_\n\n{body}")
 
 
 def write_strategy_yamls(directory: Path = CONF_DIR / "strategy") -> None:
+    from lightning_zero.strategy import PRESETS
+
     for stage in (1, 2, 3):
         (directory / f"zero{stage}.yaml").write_text(strategy_yaml(stage))
+    for name, description, config in PRESETS:
+        (directory / f"{name}.yaml").write_text(strategy_yaml(config.stage, config, description))
 
 
 def check_overrides(overrides: list[str]) -> None:
