@@ -416,8 +416,8 @@ class ZeroEngine:
                     piece.grad = None
         for k, unit in touched.items():
             unit.release_grad_shard_if_unused()
-            if unit.grad_shard is not None:  # it lives on for another optimizer's gradients: clear ours
-                torch._foreach_zero_(dropped.get(k, []))
+            if unit.grad_shard is not None and dropped.get(k):  # it lives on for another optimizer's: clear ours
+                torch._foreach_zero_(dropped[k])
         if publish:
             done = set(published)
             self.republish([u for k, u in sorted(touched.items()) if k not in done])
