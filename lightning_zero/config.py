@@ -73,6 +73,9 @@ class ZeroConfig:
         nvme_path: directory for ``nvme`` offload files (a fast local disk); when null the
             LIGHTNING_ZERO_NVME_PATH environment variable is read.
         nvme_buffer_bytes: host memory budget of the staging buffers ``nvme`` offload streams through.
+        overlap_step: offload: step host units during backward as soon as their gradients are final, when
+            that is exact (one optimizer, automatic optimization, no clipping, no fp16 loss scaling, no
+            ``on_before_optimizer_step`` override); otherwise the host step follows backward.
         auto_placement: at setup, plan the stage and offload placement for the real devices and model
             (``strategy="zero_auto"``); the fields above are then chosen, not read.
     """
@@ -102,6 +105,7 @@ class ZeroConfig:
     pin_memory: bool = True
     nvme_path: Optional[str] = None
     nvme_buffer_bytes: int = 1 << 30
+    overlap_step: bool = True
     auto_placement: bool = False
 
     def __post_init__(self) -> None:

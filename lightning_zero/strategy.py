@@ -192,7 +192,11 @@ class ZeroStrategy(ParallelStrategy):
             self.precision_plugin.attach(self.engine, self.root_device.type)
             if self.engine.offloader is not None:
                 total = sum(u.layout.shard_numel for u in self.engine.units)
-                rank_zero_only(log.info)("lightning_zero %s", self.engine.offloader.describe(total))
+                blocker = _overlap_blocker(trainer, self) if fitting else "not fitting"
+                self.engine.overlap_step(optimizers[0] if blocker is None else None)
+                rank_zero_only(log.info)("lightning_zero %s; host step %s", self.engine.offloader.describe(total),
+                                         "overlaps backward" if blocker is None and self.config.overlap_step
+                                         else f"after backward ({blocker or 'overlap_step=False'})")
             if self.config.shard_params:
                 install_summary(trainer)
         else:  # evaluation after fit (stage 3): the kept engine's shards are the model
@@ -500,6 +504,33 @@ class ZeroStrategy(ParallelStrategy):
                                        config=ZeroConfig(stage=stage))
         for name, description, config in PRESETS:
             strategy_registry.register(name, cls, description=description, config=config)
+
+
+_GRAD_HOOKS = ("on_after_backward", "on_before_optimizer_step")
+
+
+def _overlap_blocker(trainer: Any, strategy: ZeroStrategy) -> Optional[str]:
+    """Why the host step may not start during backward (None: it may): something between backward and
+    the step could still change the gradients, or the step happens elsewhere."""
+    import lightning.pytorch as pl
+
+    module = strategy.lightning_module
+    if len(strategy.optimizers) != 1:
+        return "several optimizers"
+    if not module.automatic_optimization:
+        return "manual optimization"
+    if trainer.gradient_clip_val:
+        return "gradient clipping"
+    if getattr(strategy.precision_plugin, "scaler", None) is not None:
+        return "fp16 loss scaling"
+    for name in (*_GRAD_HOOKS, "configure_gradient_clipping", "optimizer_step"):
+        if getattr(type(module), name) is not getattr(pl.LightningModule, name):
+            return f"the module overrides {name}"
+    for callback in trainer.callbacks:
+        for name in _GRAD_HOOKS:
+            if getattr(type(callback), name) is not getattr(pl.Callback, name):
+                return f"{type(callback).__name__}.{name}"
+    return None
 
 
 def _end_gather_group(engine: ZeroEngine) -> None:

@@ -158,7 +158,8 @@ def make_strategy(name: str, **options):
 
 def fit_case(rank: int, world: int, module_name: str, strategy: str, precision: str = "32-true",
              accumulate: int = 1, clip_val: float = 0.0, clip_algo: str = "norm", epochs: int = 1,
-             options: dict | None = None, plugin: str = "", inject: tuple = (), accelerator: str = "cpu") -> dict:
+             options: dict | None = None, plugin: str = "", inject: tuple = (), accelerator: str = "cpu",
+             probe: bool = True) -> dict:
     """Fit one module under one strategy; returns losses, final full state dict and extras."""
     assert lightning_zero  # registers the names
     pl.seed_everything(0, verbose=False)
@@ -173,9 +174,13 @@ def fit_case(rank: int, world: int, module_name: str, strategy: str, precision: 
                          accumulate_grad_batches=accumulate, gradient_clip_val=clip_val or None,
                          gradient_clip_algorithm=clip_algo if clip_val else None, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         num_sanity_val_steps=0, use_distributed_sampler=True, callbacks=[probe := MemoryProbe()])
+                         num_sanity_val_steps=0, use_distributed_sampler=True,
+                         callbacks=[memory := MemoryProbe()] if probe else [])
     trainer.fit(module, data, lm_data(16) if lm else None)
-    out = {"losses": module.losses, "global_step": trainer.global_step, "memory": probe.reports,
+    engine = getattr(trainer.strategy, "engine", None) or getattr(trainer.strategy, "_parked", None)
+    offloader = getattr(engine, "offloader", None)
+    out = {"losses": module.losses, "global_step": trainer.global_step, "memory": memory.reports if probe else [],
+           "stepped_in_backward": offloader.stepped_in_backward if offloader is not None else 0,
            "state": trained_state(trainer, module),
            "dtype": str(next(module.parameters()).dtype)}
     if lm:

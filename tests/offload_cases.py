@@ -48,6 +48,13 @@ def parity_cases(nvme_dir: str) -> dict:
         "zero3_bf16_nvme": (("lm", "zero3"), dict(LM, precision="bf16-mixed",
                                                    options=nvme(nvme_dir, offload_params="nvme", **SMALL_UNITS))),
         "auto": (("lm", "zero_auto"), LM),
+        # no clipping, no hook before the step: the host steps units while backward runs
+        "ddp_noclip": (("lm", "ddp"), dict(accumulate=2, probe=False)),
+        "zero2_overlap": (("lm", "zero2"), dict(accumulate=2, probe=False, options=cpu)),
+        "zero2_overlap_half": (("lm", "zero2"), dict(accumulate=2, probe=False, options=dict(cpu, offload_fraction=0.5))),
+        "zero3_overlap": (("lm", "zero3"), dict(accumulate=2, probe=False,
+                                                options=dict(cpu, offload_params="cpu", **SMALL_UNITS))),
+        "zero2_no_overlap": (("lm", "zero2"), dict(accumulate=2, probe=False, options=dict(cpu, overlap_step=False))),
         "fp16": (("lm", "zero2"), dict(plugin="16-mixed", inject=(2, 3), options=dict(initial_scale_power=8))),
         "fp16_cpu": (("lm", "zero2"), dict(plugin="16-mixed", inject=(2, 3),
                                            options=dict(cpu, initial_scale_power=8, offload_fraction=0.5))),

@@ -39,6 +39,18 @@ def test_fp32_offload_matches_ddp(world2, run):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("run", ["zero2_overlap", "zero2_overlap_half", "zero3_overlap", "zero2_no_overlap"])
+def test_host_step_during_backward_matches_ddp(world2, run):
+    # no clipping and no hook before the step: offloaded units step on the worker while backward runs
+    for results in world2:
+        assert_parity(results[run], results["ddp_noclip"])
+        overlapped = results[run]["stepped_in_backward"]
+        assert (overlapped == 0) if run == "zero2_no_overlap" else (overlapped > 0)
+    for results in world2:  # with clipping (the LM cases) the host step waits for the window's end
+        assert results["zero2_cpu"]["stepped_in_backward"] == 0
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("run", ["gan_zero2_cpu", "gan_zero2_nvme"])
 def test_two_optimizers_offloaded(world2, run):
     for results in world2:

@@ -228,6 +228,32 @@ class ZeroEngine:
         for _, b in self.module.named_buffers():
             b.data = self.comm.broadcast(b.detach().to(self.device).contiguous(), src=0)
 
+    def overlap_step(self, optimizer: Optional[torch.optim.Optimizer]) -> None:
+        """Let the host step ``optimizer``'s offloaded units during backward (None: not anymore).
+
+        Only exact when nothing changes gradients between backward and the step: the caller (the
+        strategy) checks one optimizer, no clipping, no loss scaling and no user hook before the step.
+        """
+        if self.offloader is None:
+            return
+        if optimizer is None or not self.config.overlap_step:
+            self.offloader.disable_overlap()
+            return
+        optimizer = unwrap(optimizer)
+
+        def fully_used(unit: FlatUnit) -> bool:
+            used = self.reducer.used_slots(unit)
+            return all(i in used for i, p in enumerate(unit.params) if p.requires_grad)
+
+        def publish_own(units: list[FlatUnit]) -> None:
+            for unit in units:
+                unit.refresh_param_shard()
+                if unit.state is UnitState.UNSHARDED:
+                    unit.gather_source()  # this rank's chunk of the device buffer; the others come at the step
+
+        self.offloader.enable_overlap(optimizer, self.piece_of, lambda p: self._slot[id(p)][0], fully_used, publish_own)
+        self.reducer.on_late = self.offloader.overlap.late_gradient if self.offloader.overlap is not None else None
+
     # ---- backward -------------------------------------------------------------------------------
     def begin_backward(self, loss: torch.Tensor) -> None:
         """Call before ``loss.backward()``: the reducer reads which gradients will arrive off the graph."""
@@ -383,6 +409,9 @@ class ZeroEngine:
                 published.update(u.index for u in units)
 
             with torch.no_grad():
+                early = self.offloader.overlap.stepped if self.offloader.overlap is not None else set()
+                if self.comm.world_size == 1:  # their own chunk is the whole unit: already published
+                    published.update(early)
                 out = self.offloader.step(optimizer, lambda: optimizer._zero_inner_step(**kwargs), self.piece_of,
                                           lambda p: self._slot[id(p)][0], publish)
             self._consume(optimizer, publish=True, published=published)

@@ -90,6 +90,7 @@ class GradientReducer:
         self._agree_order = agree_order
         self.on_backward_end = on_backward_end
         self.sink = sink  # takes each reduced chunk (offload moves it to the host); None: the unit's grad shard
+        self.on_late: Optional[Callable[[FlatUnit], None]] = None  # told of a late gradient (offload overlap)
         self.sync = True  # False inside no_sync (stage 1 accumulates without reducing)
         self._slot_of = {id(p): (u, i) for u in units for i, p in enumerate(u.params)}
         self._hooks: dict[int, object] = {}
@@ -132,6 +133,10 @@ class GradientReducer:
             yield
         finally:
             self.sync = True
+
+    def used_slots(self, unit: FlatUnit) -> set[int]:
+        """Slots of ``unit`` that got a gradient on this rank in the open window."""
+        return self._used[unit.index]
 
     # ---- hooks ----------------------------------------------------------------------------
     def register_hooks(self) -> None:
@@ -190,6 +195,8 @@ class GradientReducer:
         k = unit.index
         self._used[k].add(slot)
         if self._launched[k] and self.reduces_now:
+            if self.on_late is not None:
+                self.on_late(unit)
             self._late[id(param)] = param  # see [Note: late gradients]
             return
         self._accumulate(unit, slot, param.grad)

@@ -14,14 +14,19 @@ move is :func:`lightning_zero.partition.plan_offload` of ``offload_fraction``, b
 - step: the device part is stepped first (its kernels are queued and run on the GPU), then the
   host steps its units chunk by chunk; after each chunk its new values are queued for the
   device (pinned, asynchronous) and all-gathered, while the CPU already steps the next chunk.
-Global clipping and the fp16 overflow vote need every gradient of the step, so the host step
-starts once backward has ended.
+- overlap (``overlap_step``): when nothing between backward and the step can change the gradients
+  (one optimizer, automatic optimization, no clipping, no fp16 loss scaling, no user hook before
+  the step), a unit whose final gradient has landed on the host is stepped by a worker thread
+  while backward goes on, in chunks, and its new values are copied back at once. Otherwise
+  global clipping and the fp16 overflow vote need every gradient first, and the host step starts
+  once backward has ended.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any, Optional
 
@@ -67,10 +72,13 @@ class Offloader:
         nvme_masters = config.offload_optimizer == "nvme"
         self.masters = HostArena([] if nvme_masters else sizes, torch.float32, pin)
         self.grads = HostArena(sizes, torch.float32, pin)
-        self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
+        self.copy_stream = torch.cuda.Stream(device) if self.cuda else None  # device->host, stage-3 gathers
+        self.up_stream = torch.cuda.Stream(device) if self.cuda else None  # host->device during backward
         self._copies: list[Any] = []  # events of device->host gradient copies not yet waited for
         self._accum: dict[int, torch.Tensor] = {}  # device accumulators of the window's earlier micro-batches
         self.store: Optional[NvmeStore] = None
+        self.overlap: Optional[_Overlap] = None  # set by enable_overlap when the step may start in backward
+        self.stepped_in_backward = 0  # units stepped while backward ran (diagnostics, tests)
         nvme_params = config.shard_params and config.offload_params == "nvme"
         if nvme_masters or nvme_params:
             per_elem = (4 * (1 + ASSUMED_STATE_KEYS) if nvme_masters else 0) + (compute_dtype.itemsize if nvme_params else 0)
@@ -117,6 +125,18 @@ class Offloader:
         for unit in self.units:
             unit.refresh_param_shard()
 
+    def enable_overlap(self, optimizer: torch.optim.Optimizer, piece_of: Callable[[Any], Any],
+                       unit_of: Callable[[Any], FlatUnit], fully_used: Callable[[FlatUnit], bool],
+                       publish_own: Callable[[list[FlatUnit]], None]) -> None:
+        """Step host units during backward (see [Note: the pipeline]); the caller checked that it is exact."""
+        if self.store is None or not self.store.masters:
+            self.overlap = _Overlap(self, optimizer, piece_of, unit_of, fully_used, publish_own)
+
+    def disable_overlap(self) -> None:
+        if self.overlap is not None:
+            self.overlap.drain()
+            self.overlap = None
+
     # ---- gradients -------------------------------------------------------------------------
     @torch.no_grad()
     def take_reduced(self, unit: FlatUnit, reduced: torch.Tensor, final: bool) -> None:
@@ -134,15 +154,17 @@ class Offloader:
             reduced = acc.add_(reduced)
         if unit.grad_shard is None:
             unit.grad_shard = self.grads.views[self._position[unit.index]]
-            self._to_host(unit.grad_shard, reduced)
+            event = self._to_host(unit.grad_shard, reduced)
+            if self.overlap is not None:
+                self.overlap.ready(unit, event)
         else:  # a second reduction in the same window (late gradients): rare, so plainly synchronous
             self.wait_copies()
             unit.grad_shard.add_(reduced.to("cpu", torch.float32))
 
-    def _to_host(self, host: torch.Tensor, reduced: torch.Tensor) -> None:
+    def _to_host(self, host: torch.Tensor, reduced: torch.Tensor) -> Any:
         if self.copy_stream is None or reduced.device.type != "cuda":
             host.copy_(reduced)
-            return
+            return None
         current = torch.cuda.current_stream(reduced.device)
         self.copy_stream.wait_stream(current)
         with torch.cuda.stream(self.copy_stream):
@@ -151,6 +173,7 @@ class Offloader:
             event = torch.cuda.Event()
             event.record(self.copy_stream)
         self._copies.append(event)
+        return event
 
     def wait_copies(self) -> None:
         """Block until every gradient copy issued so far has landed in host memory."""
@@ -163,9 +186,10 @@ class Offloader:
              piece_of: Callable[[Any], Any], unit_of: Callable[[Any], FlatUnit],
              publish: Callable[[list[FlatUnit]], None]) -> Any:
         """Step the device part, then the host part chunk by chunk, publishing each chunk at once."""
+        early = self.overlap.drain() if self.overlap is not None else set()
         self.wait_copies()
         mine = {id(p) for group in optimizer.param_groups for p in group["params"]}
-        units = [u for u in self.units if any(id(p) in mine for p in u.params)]
+        units = [u for u in self.units if any(id(p) in mine for p in u.params) and u.index not in early]
 
         def on_device(p: Any) -> Any:
             return None if unit_of(p).index in self.indices else piece_of(p)
@@ -196,6 +220,7 @@ class Offloader:
         return out
 
     def close(self) -> None:
+        self.disable_overlap()
         if self.store is not None:
             self.store.close()
 
@@ -216,3 +241,82 @@ class Offloader:
         finally:
             for group, value in flipped:
                 group["fused"] = value
+
+
+class _Overlap:
+    """Steps host units on a worker thread while backward runs (see [Note: the pipeline]).
+
+    Units whose final gradient was copied to the host queue up; every ``HOST_STEP_CHUNK`` elements
+    the worker waits for their copies, steps them with the optimizer restricted to their pieces and
+    copies their new values to the device. Units some of whose trainable parameters got no gradient
+    on this rank are left to the regular step (whether another rank used them is only agreed at the
+    window's end). ``drain`` steps what is queued and waits; it returns the units stepped.
+    """
+
+    def __init__(self, owner: Offloader, optimizer: torch.optim.Optimizer, piece_of: Callable[[Any], Any],
+                 unit_of: Callable[[Any], FlatUnit], fully_used: Callable[[FlatUnit], bool],
+                 publish_own: Callable[[list[FlatUnit]], None]) -> None:
+        self.owner, self.optimizer = owner, optimizer
+        self.piece_of, self.unit_of, self.fully_used, self.publish_own = piece_of, unit_of, fully_used, publish_own
+        self.mine = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lz-host-step")
+        self.queued: list[tuple[FlatUnit, Any]] = []
+        self.queued_numel = 0
+        self.futures: list[Future] = []
+        self.stepped: set[int] = set()
+
+    def ready(self, unit: FlatUnit, event: Any) -> None:
+        if not self.fully_used(unit) or not all(id(p) in self.mine for p in unit.params if p.requires_grad):
+            return
+        self.queued.append((unit, event))
+        self.queued_numel += unit.layout.shard_numel
+        if self.queued_numel >= HOST_STEP_CHUNK:
+            self._submit()
+
+    def _submit(self) -> None:
+        batch, self.queued, self.queued_numel = self.queued, [], 0
+        if batch:
+            self.stepped.update(u.index for u, _ in batch)
+            self.futures.append(self.pool.submit(self._step, batch))
+
+    def _step(self, batch: list[tuple[FlatUnit, Any]]) -> None:
+        for _, event in batch:
+            if event is not None:
+                event.synchronize()
+        units = [u for u, _ in batch]
+        members = {u.index for u in units}
+        for unit in units:  # the pieces' gradients: what finish_grads gives them at the window's end
+            for slot, piece in enumerate(unit.pieces):
+                if piece is not None and unit.params[slot].requires_grad:
+                    piece.grad = unit.grad_view(slot)
+
+        def in_batch(p: Any) -> Any:
+            return self.piece_of(p) if self.unit_of(p).index in members else None
+
+        with torch.no_grad(), pieces_in_groups(self.optimizer, in_batch), self.owner._fast_host_kernels(self.optimizer):
+            self.optimizer._zero_inner_step()
+        stream = self.owner.up_stream
+        if stream is None:
+            self.publish_own(units)
+            return
+        with torch.cuda.stream(stream):  # beside backward's kernels; the step's end makes compute wait for it
+            self.publish_own(units)
+
+    def drain(self) -> set[int]:
+        """Step what is still queued, wait for every batch; the indices of the units stepped this window."""
+        self._submit()
+        for future in self.futures:
+            future.result()
+        self.futures.clear()
+        if self.owner.up_stream is not None:
+            torch.cuda.current_stream(self.owner.device).wait_stream(self.owner.up_stream)
+        stepped, self.stepped = self.stepped, set()
+        self.owner.stepped_in_backward += len(stepped)
+        return stepped
+
+    def late_gradient(self, unit: FlatUnit) -> None:
+        if unit.index in self.stepped:
+            raise RuntimeError(
+                f"lightning_zero offload: parameters {unit.names[:3]} received a gradient after their unit had "
+                f"been stepped during backward (a parameter whose gradient arrives twice in one backward, e.g. "
+                f"under reentrant activation checkpointing). Set ZeroConfig(overlap_step=False).")
