@@ -474,6 +474,11 @@ def main(argv=None) -> int:
             rec["status"], rec["error"] = "fail", f"only {len(timer.step_times)} timed steps completed"
         rec["wall_s"] = round(time.perf_counter() - t_launch, 1)
         rec["optimizer"] = module.optimizer_name
+        strategy = trainer.strategy if trainer is not None else None
+        engine = getattr(strategy, "engine", None) or getattr(strategy, "_parked", None)
+        if getattr(engine, "offloader", None) is not None:  # offload diagnostics (lightning_zero)
+            rec["offload_stepped_in_backward"] = engine.offloader.stepped_in_backward
+            rec["offload_seconds"] = {k: round(v, 3) for k, v in engine.offloader.seconds.items()}
         rec["params_counted"] = module.params_counted
         times = timer.step_times[: a.steps]
         if times:

@@ -25,6 +25,7 @@ move is :func:`lightning_zero.partition.plan_offload` of ``offload_fraction``, b
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
@@ -79,6 +80,7 @@ class Offloader:
         self.store: Optional[NvmeStore] = None
         self.overlap: Optional[_Overlap] = None  # set by enable_overlap when the step may start in backward
         self.stepped_in_backward = 0  # units stepped while backward ran (diagnostics, tests)
+        self.seconds = {"host_step": 0.0, "wait_for_host": 0.0}  # summed over steps (diagnostics, benchmarks)
         nvme_params = config.shard_params and config.offload_params == "nvme"
         if nvme_masters or nvme_params:
             per_elem = (4 * (1 + ASSUMED_STATE_KEYS) if nvme_masters else 0) + (compute_dtype.itemsize if nvme_params else 0)
@@ -212,11 +214,13 @@ class Offloader:
             event.record()
             return event
 
+        start = time.perf_counter()
         if self.store is not None and self.store.masters:
             self.store.run(optimizer, self.store.chunks(units), step_chunk)
         else:
             for chunk in chunk_units([u.layout.shard_numel for u in units], HOST_STEP_CHUNK):
                 step_chunk([units[i] for i in chunk])
+        self.seconds["host_step"] += time.perf_counter() - start
         return out
 
     def close(self) -> None:
@@ -280,6 +284,13 @@ class _Overlap:
             self.futures.append(self.pool.submit(self._step, batch))
 
     def _step(self, batch: list[tuple[FlatUnit, Any]]) -> None:
+        start = time.perf_counter()
+        try:
+            self._step_batch(batch)
+        finally:
+            self.owner.seconds["host_step"] += time.perf_counter() - start
+
+    def _step_batch(self, batch: list[tuple[FlatUnit, Any]]) -> None:
         for _, event in batch:
             if event is not None:
                 event.synchronize()
@@ -305,8 +316,10 @@ class _Overlap:
     def drain(self) -> set[int]:
         """Step what is still queued, wait for every batch; the indices of the units stepped this window."""
         self._submit()
+        start = time.perf_counter()
         for future in self.futures:
             future.result()
+        self.owner.seconds["wait_for_host"] += time.perf_counter() - start
         self.futures.clear()
         if self.owner.up_stream is not None:
             torch.cuda.current_stream(self.owner.device).wait_stream(self.owner.up_stream)
