@@ -33,7 +33,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 
@@ -194,9 +194,9 @@ class ZeroStrategy(ParallelStrategy):
                 total = sum(u.layout.shard_numel for u in self.engine.units)
                 blocker = _overlap_blocker(trainer, self) if fitting else "not fitting"
                 self.engine.overlap_step(optimizers[0] if blocker is None else None)
-                rank_zero_only(log.info)("lightning_zero %s; host step %s", self.engine.offloader.describe(total),
-                                         "overlaps backward" if blocker is None and self.config.overlap_step
-                                         else f"after backward ({blocker or 'overlap_step=False'})")
+                when = ("overlaps backward" if blocker is None and self.config.overlap_step
+                        else f"after backward ({blocker or 'overlap_step=False'})")
+                rank_zero_info(f"lightning_zero {self.engine.offloader.describe(total)}; host step {when}")
             if self.config.shard_params:
                 install_summary(trainer)
         else:  # evaluation after fit (stage 3): the kept engine's shards are the model
