@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import types
 import weakref
 from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager
@@ -33,7 +34,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 
@@ -41,6 +42,7 @@ from .checkpoint import sharded
 from .checkpoint.files import CheckpointPathError
 from .collectives import Comm
 from .config import ZeroConfig, _reject_unknown
+from .ds_config import DeepSpeedConfigError, DeepSpeedImport, build_optimizer, check_batch, import_deepspeed_config
 from .elastic import attempt_store
 from .engine import ZeroEngine
 from .engine.materialize import RngState, has_meta
@@ -84,9 +86,15 @@ class ZeroStrategy(ParallelStrategy):
                  parallel_devices: Optional[list[torch.device]] = None,
                  cluster_environment: Optional[ClusterEnvironment] = None,
                  checkpoint_io: Optional[CheckpointIO] = None, precision_plugin: Optional[Precision] = None,
-                 process_group_backend: Optional[str] = None, **options: Any) -> None:
+                 process_group_backend: Optional[str] = None, deepspeed_config: Any = None, **options: Any) -> None:
         _reject_unknown(options)
         self.config = (config or ZeroConfig()).replace(**options) if options else (config or ZeroConfig())
+        self.deepspeed: Optional[DeepSpeedImport] = None
+        if deepspeed_config is not None:  # the JSON fills what it says; explicit options still win
+            self.deepspeed = import_deepspeed_config(deepspeed_config, base=config)
+            self.config = self.deepspeed.zero.replace(**options) if options else self.deepspeed.zero
+            if self.deepspeed.warnings:
+                rank_zero_warn("lightning_zero read the DeepSpeed config: " + "; ".join(self.deepspeed.warnings) + ".")
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin)
@@ -142,7 +150,48 @@ class ZeroStrategy(ParallelStrategy):
 
     @precision_plugin.setter
     def precision_plugin(self, plugin: Optional[Precision]) -> None:
+        wanted = self.deepspeed.precision if getattr(self, "deepspeed", None) is not None else None
+        if wanted is not None and plugin is not None:
+            given = str(getattr(plugin, "precision", "32-true"))
+            if given not in ("32-true", "32", wanted) and not isinstance(plugin, ZeroPrecision):
+                raise DeepSpeedConfigError(f"The DeepSpeed config asks for {wanted} but the Trainer has precision="
+                                           f"{given!r}: drop precision= from the Trainer or change fp16/bf16 in the JSON.")
+            if given in ("32-true", "32"):  # the Trainer's default: the JSON decides
+                plugin = ZeroPrecision(wanted, self.config)
         self._precision_plugin = None if plugin is None else _to_zero_precision(plugin, self.config)
+
+    def connect(self, model: Any) -> None:
+        super().connect(model)
+        if self.deepspeed is not None and self.deepspeed.optimizer is not None:
+            from lightning.pytorch.utilities.model_helpers import is_overridden
+
+            if is_overridden("configure_optimizers", model):
+                rank_zero_warn("The DeepSpeed config's optimizer/scheduler are ignored: the LightningModule "
+                               "configures its own in configure_optimizers.")
+            else:
+                model.configure_optimizers = types.MethodType(_deepspeed_optimizers(self.deepspeed), model)
+
+    def _apply_deepspeed_trainer_settings(self, trainer: Any) -> None:
+        """gradient_clipping and gradient_accumulation_steps of the JSON, unless the Trainer says otherwise."""
+        ds = self.deepspeed
+        if ds is None:
+            return
+        if ds.gradient_clip_val is not None:
+            if trainer.gradient_clip_val not in (None, 0, ds.gradient_clip_val):
+                raise DeepSpeedConfigError(f"gradient_clipping={ds.gradient_clip_val} in the DeepSpeed config but "
+                                           f"Trainer(gradient_clip_val={trainer.gradient_clip_val}): keep one of them.")
+            trainer.gradient_clip_val = ds.gradient_clip_val
+        if ds.accumulate is not None and trainer.accumulate_grad_batches == 1:
+            trainer.accumulate_grad_batches = ds.accumulate
+
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        if self.deepspeed is not None and self.lightning_module is not None:
+            trainer = self.lightning_module.trainer
+            loader = trainer.train_dataloader
+            batch = getattr(loader, "batch_size", None) or getattr(getattr(loader, "batch_sampler", None),
+                                                                    "batch_size", None)
+            check_batch(self.deepspeed, batch, self.world_size, trainer.accumulate_grad_batches)
 
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
@@ -177,6 +226,7 @@ class ZeroStrategy(ParallelStrategy):
     def setup(self, trainer: Any) -> None:
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
+        self._apply_deepspeed_trainer_settings(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
         if self.engine is None or fitting or self.engine.module is not self.lightning_module:
             self._release_engine()
@@ -588,6 +638,21 @@ class _ExitHook:
 _exit_hook = _ExitHook()
 # module -> the stage-3 engine that still shards it after its fit (see ZeroStrategy._release_engine)
 _kept_engines: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _deepspeed_optimizers(ds: DeepSpeedImport) -> Callable:
+    """``configure_optimizers`` for a module that has none: the JSON's optimizer and scheduler."""
+
+    def configure_optimizers(module: Any) -> Any:
+        optimizer = build_optimizer(ds.optimizer, [p for p in module.parameters() if p.requires_grad])
+        if ds.scheduler is None:
+            return optimizer
+        from .ds_schedules import build_scheduler
+
+        return {"optimizer": optimizer,
+                "lr_scheduler": {"scheduler": build_scheduler(optimizer, ds.scheduler), "interval": "step"}}
+
+    return configure_optimizers
 
 
 def _to_zero_precision(plugin: Precision, config: ZeroConfig) -> ZeroPrecision:

@@ -68,6 +68,7 @@ def zero_schema() -> type:
     """
     hints = typing.get_type_hints(ZeroConfig)
     fields = [(f.name, hints[f.name], dataclasses.field(default=f.default)) for f in dataclasses.fields(ZeroConfig)]
+    fields.append(("deepspeed_config", Optional[str], dataclasses.field(default=None)))  # a ds_config.json path
     return dataclasses.make_dataclass("ZeroConfigSchema", fields)
 
 
@@ -91,6 +92,10 @@ def write_strategy_yamls(directory: Path = CONF_DIR / "strategy") -> None:
         (directory / f"zero{stage}.yaml").write_text(strategy_yaml(stage))
     for name, description, config in PRESETS:
         (directory / f"{name}.yaml").write_text(strategy_yaml(config.stage, config, description))
+    (directory / "deepspeed.yaml").write_text(
+        "# A DeepSpeed ds_config.json read by lightning_zero: strategy=deepspeed strategy.deepspeed_config=PATH.\n"
+        "# The JSON's zero_optimization/fp16/bf16/clipping/batch/optimizer/scheduler win over the defaults here.\n"
+        f"defaults:\n  - {SCHEMA_NAME}\n  - _self_\n\ndeepspeed_config: ???\n")
 
 
 def check_overrides(overrides: list[str]) -> None:
@@ -106,7 +111,7 @@ def check_overrides(overrides: list[str]) -> None:
         key = arg.split("=", 1)[0].lstrip("+~")
         if key.startswith("strategy."):
             name = key.split(".")[1]
-            if name not in field_names():
+            if name not in field_names() and name != "deepspeed_config":
                 unknown.append(name)
     if unknown:
         ZeroConfig.from_dict(dict.fromkeys(unknown))  # raises ZeroConfigError for the first unknown key
@@ -117,7 +122,8 @@ def build_strategy(node: Any) -> Any:
     from lightning_zero import ZeroStrategy
 
     values = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node)
-    return ZeroStrategy(config=ZeroConfig.from_dict(values))
+    deepspeed = values.pop("deepspeed_config", None)
+    return ZeroStrategy(config=ZeroConfig.from_dict(values), deepspeed_config=deepspeed)
 
 
 # ---- devices ---------------------------------------------------------------------------------------

@@ -1,0 +1,269 @@
+"""DeepSpeed JSON → ZeroConfig (+ the Trainer settings DeepSpeed keeps in the same file).
+
+``import_deepspeed_config(path_or_dict)`` returns :class:`DeepSpeedImport`: the ZeroConfig, the
+precision, clipping, batch arithmetic, optimizer and scheduler specs, and the messages a user
+coming from DeepSpeed needs: keys we map to nothing (one warning listing them), misspelled keys
+(with the close match), legacy keys (``cpu_offload``), and contradictions. Contradictions that
+would train differently from what the file says are errors; DeepSpeed's own "ignored" cases
+(parameter offload below stage 3) are warnings naming the fix.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Union
+
+from .config import ZeroConfig
+
+__all__ = ["DeepSpeedConfigError", "DeepSpeedImport", "import_deepspeed_config", "check_batch"]
+
+
+class DeepSpeedConfigError(ValueError):
+    """The DeepSpeed configuration cannot be honoured as written."""
+
+
+# Keys we understand, per section; the value says what they become (for the docs and the warnings).
+ZERO_KEYS = {
+    "stage": "stage", "offload_optimizer": "offload_optimizer/nvme_path/pin_memory/offload_fraction",
+    "offload_param": "offload_params", "cpu_offload": "offload_optimizer='cpu' (legacy key)",
+    "cpu_offload_params": "offload_params='cpu' (legacy key)", "cpu_offload_use_pin_memory": "pin_memory (legacy)",
+    "overlap_comm": "overlap_comm", "reduce_bucket_size": "reduce_bucket_size",
+    "stage3_param_persistence_threshold": "param_persistence_threshold", "stage3_prefetch_bucket_size": "prefetch",
+}
+ZERO_UNMAPPED = {  # valid DeepSpeed keys with no lightning_zero counterpart, and why
+    "contiguous_gradients": "gradients always live in contiguous buffers",
+    "allgather_bucket_size": "stages 1/2 all-gather per unit",
+    "allgather_partitions": "always on", "reduce_scatter": "always on",
+    "stage3_max_live_parameters": "the gathered set is bounded by prefetch",
+    "stage3_max_reuse_distance": "groups are freed after their backward",
+    "sub_group_size": "the host steps chunks of 64M elements",
+    "round_robin_gradients": "not needed", "elastic_checkpoint": "sharded checkpoints load on any world size",
+    "stage3_gather_16bit_weights_on_model_save": "use checkpoint_format='full' or the consolidate tool",
+    "stage3_gather_fp16_weights_on_model_save": "use checkpoint_format='full' or the consolidate tool",
+    "ignore_unused_parameters": "unused parameters are always handled", "load_from_fp32_weights": "always",
+    "memory_efficient_linear": "not needed", "zero_hpz_partition_size": "no hierarchical partitioning",
+    "zero_quantized_weights": "no quantized communication", "zero_quantized_gradients": "no quantized communication",
+    "mics_shard_size": "no MiCS", "use_multi_rank_bucket_allreduce": "not needed",
+}
+TOP_KEYS = {"zero_optimization", "fp16", "bf16", "gradient_clipping", "train_batch_size",
+            "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "optimizer", "scheduler",
+            "zero_allow_untested_optimizer"}
+TOP_UNMAPPED = {"steps_per_print", "wall_clock_breakdown", "prescale_gradients", "gradient_predivide_factor",
+                "dump_state", "tensorboard", "wandb", "csv_monitor", "flops_profiler", "activation_checkpointing",
+                "communication_data_type", "seq_parallel_communication_data_type", "amp", "zero_force_ds_cpu_optimizer",
+                "checkpoint", "data_types", "comms_logger", "autotuning", "elasticity", "compression_training",
+                "sparse_gradients", "memory_breakdown", "aio", "timers"}
+FP16_KEYS = {"enabled", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale",
+             "auto_cast", "consecutive_hysteresis", "fp16_master_weights_and_grads"}
+OFFLOAD_KEYS = {"device", "nvme_path", "pin_memory", "ratio", "buffer_count", "buffer_size", "fast_init",
+                "max_in_cpu", "pipeline_read", "pipeline_write", "pipeline"}
+OPTIMIZERS = ("Adam", "AdamW", "SGD")
+
+
+@dataclass
+class DeepSpeedImport:
+    """What a DeepSpeed configuration means here."""
+
+    zero: ZeroConfig
+    precision: Optional[str] = None  # "16-mixed", "bf16-mixed" or None (the file says nothing)
+    gradient_clip_val: Optional[float] = None
+    train_batch_size: Optional[int] = None
+    micro_batch_per_gpu: Optional[int] = None
+    accumulate: Optional[int] = None
+    optimizer: Optional[dict[str, Any]] = None
+    scheduler: Optional[dict[str, Any]] = None
+    warnings: list[str] = field(default_factory=list)
+
+
+def _load(source: Union[str, Path, dict]) -> dict[str, Any]:
+    if isinstance(source, dict):
+        return dict(source)
+    path = Path(source).expanduser()
+    if not path.is_file():
+        raise DeepSpeedConfigError(f"DeepSpeed config '{path}' does not exist: pass the path of your ds_config.json "
+                                   f"(or the dict itself).")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise DeepSpeedConfigError(f"DeepSpeed config '{path}' is not valid JSON: {err.msg} at line {err.lineno}, "
+                                   f"column {err.colno}.") from None
+
+
+def _unknown(keys: set[str], known: set[str], where: str, out: list[str]) -> None:
+    for key in sorted(keys - known):
+        close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.75)
+        hint = f" — did you mean '{close[0]}'?" if close else ""
+        out.append(f"'{where}{key}' is not a DeepSpeed key and is ignored{hint}")
+
+
+def _enabled(section: Any) -> bool:
+    return isinstance(section, dict) and bool(section.get("enabled", False))
+
+
+def import_deepspeed_config(source: Union[str, Path, dict], base: Optional[ZeroConfig] = None) -> DeepSpeedImport:
+    """Map a DeepSpeed config (path or dict) onto ZeroConfig and Trainer settings."""
+    ds = _load(source)
+    notes: list[str] = []
+    unmapped: list[str] = []
+    _unknown(set(ds), TOP_KEYS | TOP_UNMAPPED, "", notes)
+    unmapped += sorted(k for k in ds if k in TOP_UNMAPPED)
+    values: dict[str, Any] = {}
+    zero = dict(ds.get("zero_optimization", {}))
+    _unknown(set(zero), set(ZERO_KEYS) | set(ZERO_UNMAPPED), "zero_optimization.", notes)
+    unmapped += [f"zero_optimization.{k} ({ZERO_UNMAPPED[k]})" for k in sorted(zero) if k in ZERO_UNMAPPED]
+    stage = int(zero.get("stage", 0))
+    if stage < 3 and any("did you mean 'offload_param'" in n for n in notes):
+        notes.append(f"offload_param itself only applies to stage 3: under stage {stage} DeepSpeed keeps parameters "
+                     f"on the GPU too")
+    if stage == 0:
+        raise DeepSpeedConfigError("zero_optimization.stage is 0 (or missing): that is plain data parallelism; use "
+                                   "Trainer(strategy='ddp'), or set stage 1, 2 or 3.")
+    if stage not in (1, 2, 3):
+        raise DeepSpeedConfigError(f"zero_optimization.stage={stage} is invalid: use 1, 2 or 3.")
+    values["stage"] = stage
+    for key, target in (("overlap_comm", "overlap_comm"), ("reduce_bucket_size", "reduce_bucket_size"),
+                        ("stage3_param_persistence_threshold", "param_persistence_threshold")):
+        if key in zero:
+            values[target] = type(getattr(ZeroConfig, target))(zero[key])
+    if "stage3_prefetch_bucket_size" in zero and int(zero["stage3_prefetch_bucket_size"]) == 0:
+        values["prefetch"] = 0
+    _offload_optimizer(zero, values, notes)
+    _offload_params(zero, stage, values, notes)
+    precision = _precision(ds, values, notes)
+    if ds.get("zero_allow_untested_optimizer"):
+        values["allow_untested_optimizer"] = True
+    config = (base or ZeroConfig()).replace(**values)
+    out = DeepSpeedImport(zero=config, precision=precision, warnings=notes)
+    clip = ds.get("gradient_clipping")
+    out.gradient_clip_val = float(clip) if clip else None
+    for key, attr in (("train_batch_size", "train_batch_size"), ("train_micro_batch_size_per_gpu", "micro_batch_per_gpu"),
+                      ("gradient_accumulation_steps", "accumulate")):
+        if ds.get(key) not in (None, "auto"):
+            setattr(out, attr, int(ds[key]))
+    out.optimizer = _optimizer(ds.get("optimizer"))
+    out.scheduler = ds.get("scheduler")
+    if out.scheduler is not None:
+        from .ds_schedules import SCHEDULES, UnsupportedScheduleError
+
+        if out.scheduler.get("type") not in SCHEDULES:
+            raise UnsupportedScheduleError(f"DeepSpeed scheduler type {out.scheduler.get('type')!r} is not supported: "
+                                           f"use one of {', '.join(SCHEDULES)}, or configure it in configure_optimizers.")
+    if unmapped:
+        notes.append("mapped to nothing here: " + ", ".join(unmapped))
+    return out
+
+
+def _offload_optimizer(zero: dict, values: dict, notes: list[str]) -> None:
+    section = zero.get("offload_optimizer")
+    if zero.get("cpu_offload"):
+        notes.append("'zero_optimization.cpu_offload' is DeepSpeed's legacy key: read as offload_optimizer.device='cpu'")
+        section = section or {"device": "cpu", **({"pin_memory": zero["cpu_offload_use_pin_memory"]}
+                                                   if "cpu_offload_use_pin_memory" in zero else {})}
+    if not isinstance(section, dict):
+        return
+    _unknown(set(section), OFFLOAD_KEYS, "zero_optimization.offload_optimizer.", notes)
+    device = section.get("device", "none")
+    if device not in ("none", "cpu", "nvme"):
+        raise DeepSpeedConfigError(f"zero_optimization.offload_optimizer.device={device!r} is invalid: use 'cpu', "
+                                   f"'nvme' or 'none'.")
+    values["offload_optimizer"] = device
+    if "pin_memory" in section:
+        values["pin_memory"] = bool(section["pin_memory"])
+    if section.get("nvme_path"):
+        values["nvme_path"] = str(section["nvme_path"])
+    if "ratio" in section and device != "none":
+        values["offload_fraction"] = float(section["ratio"])
+
+
+def _offload_params(zero: dict, stage: int, values: dict, notes: list[str]) -> None:
+    section = zero.get("offload_param")
+    if zero.get("cpu_offload_params"):
+        notes.append("'zero_optimization.cpu_offload_params' is DeepSpeed's legacy key: read as "
+                     "offload_param.device='cpu'")
+        section = section or {"device": "cpu"}
+    if not isinstance(section, dict):
+        return
+    _unknown(set(section), OFFLOAD_KEYS, "zero_optimization.offload_param.", notes)
+    device = section.get("device", "none")
+    if device == "none":
+        return
+    if stage < 3:
+        notes.append(f"zero_optimization.offload_param (device '{device}') only applies to stage 3, as in DeepSpeed, "
+                     f"so parameters stay on the GPU; set stage 3 to offload them")
+        return
+    if values.get("offload_optimizer", "none") == "none":
+        raise DeepSpeedConfigError("zero_optimization.offload_param is set without offload_optimizer: lightning_zero "
+                                   "offloads parameters only together with the optimizer state (the fp32 master left "
+                                   "on the GPU would cost more than the parameters free); add offload_optimizer.")
+    values["offload_params"] = device
+    if section.get("nvme_path") and "nvme_path" not in values:
+        values["nvme_path"] = str(section["nvme_path"])
+
+
+def _precision(ds: dict, values: dict, notes: list[str]) -> Optional[str]:
+    fp16, bf16 = ds.get("fp16"), ds.get("bf16")
+    if _enabled(fp16) and _enabled(bf16):
+        raise DeepSpeedConfigError("Both fp16.enabled and bf16.enabled are true: choose one (bf16 needs no loss scaling).")
+    if isinstance(fp16, dict):
+        _unknown(set(fp16), FP16_KEYS, "fp16.", notes)
+    if _enabled(fp16):
+        for key, target in (("loss_scale", "loss_scale"), ("initial_scale_power", "initial_scale_power"),
+                            ("loss_scale_window", "loss_scale_window"), ("hysteresis", "hysteresis"),
+                            ("min_loss_scale", "min_loss_scale")):
+            if key in fp16:
+                values[target] = type(getattr(ZeroConfig, target))(fp16[key])
+        return "16-mixed"
+    if _enabled(bf16):
+        return "bf16-mixed"
+    return None
+
+
+def _optimizer(spec: Any) -> Optional[dict[str, Any]]:
+    if spec is None:
+        return None
+    kind = spec.get("type", "")
+    match = next((o for o in OPTIMIZERS if o.lower() == str(kind).lower()), None)
+    if match is None:
+        raise DeepSpeedConfigError(f"DeepSpeed optimizer type {kind!r} is not supported here: use one of "
+                                   f"{', '.join(OPTIMIZERS)}, or build your optimizer in configure_optimizers.")
+    return {"type": match, "params": dict(spec.get("params", {}))}
+
+
+def build_optimizer(spec: dict[str, Any], params: Any) -> Any:
+    """The torch optimizer for an imported ``optimizer`` spec (DeepSpeed's Adam is AdamW unless
+    ``adam_w_mode`` is false, as in DeepSpeed)."""
+    import torch
+
+    p = dict(spec["params"])
+    kind = spec["type"]
+    if kind == "Adam":
+        kind = "AdamW" if p.pop("adam_w_mode", True) else "Adam"
+    p.pop("torch_adam", None)
+    p.pop("adam_w_mode", None)
+    if "betas" in p:
+        p["betas"] = tuple(p["betas"])
+    try:
+        return getattr(torch.optim, kind)(params, **p)
+    except TypeError as err:
+        raise DeepSpeedConfigError(f"DeepSpeed optimizer {spec['type']} params {sorted(spec['params'])}: {err}.") from None
+
+
+def check_batch(imported: DeepSpeedImport, micro_batch: Optional[int], world: int, accumulate: int) -> None:
+    """train_batch_size = micro-batch x accumulation x world size, as DeepSpeed requires; one error shows it."""
+    tbs, mb, acc = imported.train_batch_size, imported.micro_batch_per_gpu, imported.accumulate
+    mb_here = micro_batch
+    if mb is not None and mb_here is not None and mb != mb_here:
+        raise DeepSpeedConfigError(f"train_micro_batch_size_per_gpu={mb} but the DataLoader's batch_size is {mb_here}: "
+                                   f"make them equal.")
+    mb = mb if mb is not None else mb_here
+    if acc is not None and acc != accumulate:
+        raise DeepSpeedConfigError(f"gradient_accumulation_steps={acc} but the Trainer accumulates {accumulate}: drop "
+                                   f"accumulate_grad_batches from the Trainer (the JSON sets it) or make them equal.")
+    if tbs is not None and mb is not None and tbs != mb * accumulate * world:
+        raise DeepSpeedConfigError(
+            f"train_batch_size={tbs} does not match train_micro_batch_size_per_gpu x gradient_accumulation_steps x "
+            f"world size = {mb} x {accumulate} x {world} = {mb * accumulate * world}: fix one of them (for this world "
+            f"size and accumulation the micro-batch would be {tbs / (accumulate * world):g}).")

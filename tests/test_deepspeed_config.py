@@ -1,0 +1,136 @@
+"""The DeepSpeed JSON importer: every key, the real user's config, and the errors."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from deepspeed_cases import fit_from_json
+from dist_utils import run_ranks
+
+from lightning_zero import ZeroStrategy
+from lightning_zero.ds_config import DeepSpeedConfigError, check_batch, import_deepspeed_config
+from lightning_zero.ds_schedules import UnsupportedScheduleError
+
+REAL = "/work/shared/examples/ds_config.json"
+
+
+def _real() -> dict:
+    import os
+
+    if os.path.exists(REAL):
+        return json.loads(open(REAL).read())
+    # the same content, for a clone without ../shared
+    return {"train_batch_size": 128, "gradient_accumulation_steps": 2,
+            "fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 16},
+            "zero_optimization": {"stage": 2, "cpu_offload": True, "offload_params": {"device": "cpu", "pin_memory": True}},
+            "zero_allow_untested_optimizer": True,
+            "optimizer": {"type": "AdamW", "params": {"lr": 2e-5, "betas": [0.9, 0.999], "eps": 1e-8}},
+            "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 2e-5, "warmup_num_steps": 1000}}}
+
+
+def test_every_mapped_key():
+    ds = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/nvme", "pin_memory": False,
+                                                                  "ratio": 0.4},
+                                "offload_param": {"device": "cpu"}, "overlap_comm": False, "reduce_bucket_size": 1000,
+                                "stage3_param_persistence_threshold": 77, "stage3_prefetch_bucket_size": 0,
+                                "contiguous_gradients": True, "sub_group_size": 1e9, "allgather_bucket_size": 5e8,
+                                "stage3_max_live_parameters": 1e9},
+          "fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 12, "loss_scale_window": 500,
+                   "hysteresis": 3, "min_loss_scale": 2},
+          "gradient_clipping": 1.5, "train_batch_size": 64, "train_micro_batch_size_per_gpu": 8,
+          "gradient_accumulation_steps": 4, "zero_allow_untested_optimizer": True, "steps_per_print": 10,
+          "optimizer": {"type": "adam", "params": {"lr": 1e-3}},
+          "scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": 100, "warmup_num_steps": 10}}}
+    r = import_deepspeed_config(ds)
+    z = r.zero
+    assert (z.stage, z.offload_optimizer, z.nvme_path, z.pin_memory, z.offload_fraction, z.offload_params) == \
+        (3, "nvme", "/nvme", False, 0.4, "cpu")
+    assert (z.overlap_comm, z.reduce_bucket_size, z.param_persistence_threshold, z.prefetch) == (False, 1000, 77, 0)
+    assert (z.loss_scale, z.initial_scale_power, z.loss_scale_window, z.hysteresis, z.min_loss_scale) == (0.0, 12, 500, 3, 2.0)
+    assert z.allow_untested_optimizer and r.precision == "16-mixed" and r.gradient_clip_val == 1.5
+    assert (r.train_batch_size, r.micro_batch_per_gpu, r.accumulate) == (64, 8, 4)
+    assert r.optimizer == {"type": "Adam", "params": {"lr": 1e-3}}
+    unmapped = [w for w in r.warnings if w.startswith("mapped to nothing")]
+    assert len(unmapped) == 1 and all(k in unmapped[0] for k in ("contiguous_gradients", "sub_group_size",
+                                                                  "allgather_bucket_size", "steps_per_print"))
+    assert import_deepspeed_config({"zero_optimization": {"stage": 1}, "bf16": {"enabled": True}}).precision == "bf16-mixed"
+
+
+def test_legacy_keys():
+    r = import_deepspeed_config({"zero_optimization": {"stage": 3, "cpu_offload": True, "cpu_offload_params": True,
+                                                       "cpu_offload_use_pin_memory": True}})
+    assert (r.zero.offload_optimizer, r.zero.offload_params, r.zero.pin_memory) == ("cpu", "cpu", True)
+    assert sum("legacy" in w for w in r.warnings) == 2
+
+
+def test_the_real_users_config_loads_with_the_messages_they_need():
+    r = import_deepspeed_config(_real())
+    assert (r.zero.stage, r.zero.offload_optimizer, r.zero.offload_params, r.precision) == (2, "cpu", "none", "16-mixed")
+    text = " | ".join(r.warnings)
+    assert "'zero_optimization.offload_params' is not a DeepSpeed key" in text and "did you mean 'offload_param'" in text
+    assert "only applies to stage 3" in text and "legacy" in text
+
+
+@pytest.mark.parametrize("ds,needle", [
+    ({"zero_optimization": {"stage": 0}}, "plain data parallelism"),
+    ({"zero_optimization": {"stage": 2}, "fp16": {"enabled": True}, "bf16": {"enabled": True}}, "choose one"),
+    ({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}, "without offload_optimizer"),
+    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "gpu"}}}, "'cpu', 'nvme' or 'none'"),
+    ({"zero_optimization": {"stage": 2}, "optimizer": {"type": "Lamb"}}, "not supported"),
+])
+def test_contradictions_are_one_line_errors(ds, needle):
+    with pytest.raises(DeepSpeedConfigError) as err:
+        import_deepspeed_config(ds)
+    assert needle in str(err.value) and "\n" not in str(err.value)
+
+
+def test_unknown_scheduler_and_missing_file(tmp_path):
+    with pytest.raises(UnsupportedScheduleError, match="WarmupLR"):
+        import_deepspeed_config({"zero_optimization": {"stage": 2}, "scheduler": {"type": "Cyclic"}})
+    with pytest.raises(DeepSpeedConfigError, match="does not exist"):
+        ZeroStrategy(deepspeed_config=str(tmp_path / "nope.json"))
+    bad = tmp_path / "bad.json"
+    bad.write_text("{ stage: 2 }")
+    with pytest.raises(DeepSpeedConfigError, match="not valid JSON"):
+        ZeroStrategy(deepspeed_config=str(bad))
+
+
+def test_batch_arithmetic_error_shows_the_numbers():
+    r = import_deepspeed_config({"zero_optimization": {"stage": 2}, "train_batch_size": 128,
+                                 "gradient_accumulation_steps": 2})
+    check_batch(r, 32, 2, 2)
+    with pytest.raises(DeepSpeedConfigError) as err:
+        check_batch(r, 16, 2, 2)
+    assert "16 x 2 x 2 = 64" in str(err.value) and "would be 32" in str(err.value)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    path = tmp_path_factory.mktemp("ds") / "ds_config.json"
+    path.write_text(json.dumps(_real()))
+    return run_ranks(fit_from_json, 2, str(path), 32, lightning=True), run_ranks(fit_from_json, 2, str(path), 16,
+                                                                                lightning=True)
+
+
+@pytest.mark.slow
+def test_the_real_config_trains_under_lightning(trained):
+    good, _ = trained
+    for r in good:
+        assert "error" not in r, r
+        assert r["precision"] == "16-mixed" and r["accumulate"] == 2 and r["optimizer"] == "AdamW"
+        assert r["config"]["offload_optimizer"] == "cpu" and r["config"]["stage"] == 2
+        assert r["betas"] == (0.9, 0.999) and r["global_step"] == 6
+        # WarmupLR, log warm-up over 1000 steps from 0 to 2e-5: lr(k) = 2e-5 * log(k + 1) / log(1000)
+        steps = [i // 2 for i in range(len(r["lrs"]))]  # two micro-batches a step
+        for k, lr in zip(steps, r["lrs"]):
+            assert math.isclose(lr, 2e-5 * math.log(k + 1) / math.log(1000), rel_tol=1e-6, abs_tol=1e-12)
+        assert all(math.isfinite(x) for x in r["losses"])
+    assert any("did you mean 'offload_param'" in w for w in good[0]["warnings"])
+
+
+@pytest.mark.slow
+def test_wrong_micro_batch_is_one_error_with_the_arithmetic(trained):
+    _, bad = trained
+    assert bad[0]["error"] == "DeepSpeedConfigError" and "16 x 2 x 2 = 64" in bad[0]["message"]
