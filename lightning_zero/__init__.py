@@ -7,13 +7,14 @@ so ``Trainer(strategy="zero3")`` works after it.
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from .api import ZeroModelEngine, initialize
 from .config import ZeroConfig, ZeroConfigError
 from .engine import UnsupportedOptimizerError, ZeroEngine
 from .precision import DynamicLossScaler, LossScaleAtMinimumError
 from .precision.plugin import ZeroPrecision
 from .strategy import ZeroStrategy
 
-__all__ = ["ZeroConfig", "ZeroConfigError", "ZeroEngine", "ZeroPrecision", "ZeroStrategy", "DynamicLossScaler",
+__all__ = ["initialize", "ZeroModelEngine", "ZeroConfig", "ZeroConfigError", "ZeroEngine", "ZeroPrecision", "ZeroStrategy", "DynamicLossScaler",
            "LossScaleAtMinimumError", "UnsupportedOptimizerError"]
 __version__ = "0.1.0"
 
