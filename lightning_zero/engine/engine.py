@@ -22,6 +22,7 @@ from typing import Any, Optional
 
 import torch
 from torch import nn
+from torch.profiler import record_function
 
 from ..collectives import Comm
 from ..config import DTYPE_NAMES, ZeroConfig
@@ -462,6 +463,10 @@ class ZeroEngine:
         for unit in units:
             unit.refresh_param_shard()
         stale = [u for u in units if u.state is UnitState.UNSHARDED]
+        with record_function("zero/republish"):
+            self._all_gather_units(stale)
+
+    def _all_gather_units(self, stale: list[FlatUnit]) -> None:
         handles = [self.comm.all_gather(u.full, u.gather_source(), async_op=True) for u in stale]
         for handle in handles:
             handle.wait()

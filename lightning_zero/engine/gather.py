@@ -43,6 +43,7 @@ from typing import Any, Optional
 
 import torch
 from torch import nn
+from torch.profiler import record_function
 from torch.utils._pytree import tree_flatten, tree_map
 
 from ..collectives import Comm, Handle
@@ -136,7 +137,7 @@ class Gatherer:
     def _issue(self, unit: FlatUnit) -> None:
         if unit.state is UnitState.UNSHARDED or unit.index in self._pending:
             return
-        with torch.inference_mode(False), torch.no_grad():
+        with torch.inference_mode(False), torch.no_grad(), record_function(f"zero/all_gather[unit {unit.index}]"):
             unit.alloc_storage()
             if self.copy_stream is None or not unit.source_on_host:
                 self._pending[unit.index] = self.comm.all_gather(unit.full, unit.gather_source(), async_op=True)
@@ -149,6 +150,10 @@ class Gatherer:
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
 
     def _wait(self, unit: FlatUnit) -> None:
+        with record_function(f"zero/gather_wait[unit {unit.index}]"):
+            self._wait_for(unit)
+
+    def _wait_for(self, unit: FlatUnit) -> None:
         ready = self._ready.pop(unit.index, None)
         if ready is not None:
             torch.cuda.current_stream(unit.device).wait_event(ready)

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+from torch.profiler import record_function
 
 from ..collectives import Comm, Handle
 from .flat_unit import FlatUnit
@@ -269,10 +270,11 @@ class GradientReducer:
         if not self._ordered:  # one rank: the buffer is the shard, in whatever dtype it accumulated
             out, handle = full, Handle()
         else:
-            send = full if full.dtype == self.policy.reduce_dtype else full.to(self.policy.reduce_dtype)
-            send.div_(self.comm.world_size)  # pre-divide, as DDP does: keeps 16-bit sums in range
-            out = torch.empty(unit.layout.shard_numel, dtype=send.dtype, device=send.device)
-            handle = self.comm.reduce_scatter(out, send, async_op=True)
+            with record_function(f"zero/reduce_scatter[unit {unit.index}]"):
+                send = full if full.dtype == self.policy.reduce_dtype else full.to(self.policy.reduce_dtype)
+                send.div_(self.comm.world_size)  # pre-divide, as DDP does: keeps 16-bit sums in range
+                out = torch.empty(unit.layout.shard_numel, dtype=send.dtype, device=send.device)
+                handle = self.comm.reduce_scatter(out, send, async_op=True)
         if not self.policy.overlap:
             self._complete(unit, out, handle)
             return
@@ -281,7 +283,8 @@ class GradientReducer:
         self._inflight.append((unit, out, handle))
 
     def _complete(self, unit: FlatUnit, out: torch.Tensor, handle: Handle) -> None:
-        handle.wait()
+        with record_function(f"zero/reduce_wait[unit {unit.index}]"):
+            handle.wait()
         if self.sink is not None:
             self.sink(unit, out, self.sync)
         else:

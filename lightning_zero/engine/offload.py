@@ -32,6 +32,7 @@ from contextlib import contextmanager
 from typing import Any, Optional
 
 import torch
+from torch.profiler import record_function
 
 from ..config import ZeroConfig
 from ..partition import chunk_units, plan_offload
@@ -169,7 +170,7 @@ class Offloader:
             return None
         current = torch.cuda.current_stream(reduced.device)
         self.copy_stream.wait_stream(current)
-        with torch.cuda.stream(self.copy_stream):
+        with torch.cuda.stream(self.copy_stream), record_function("zero/offload_grad_to_host"):
             host.copy_(reduced, non_blocking=self.grads.pinned)
             reduced.record_stream(self.copy_stream)  # the allocator must not reuse it before the copy ran
             event = torch.cuda.Event()
@@ -196,7 +197,7 @@ class Offloader:
         def on_device(p: Any) -> Any:
             return None if unit_of(p).index in self.indices else piece_of(p)
 
-        with pieces_in_groups(optimizer, on_device):
+        with pieces_in_groups(optimizer, on_device), record_function("zero/device_step"):
             out = inner()
 
         def step_chunk(chunk: list[FlatUnit]) -> Any:
@@ -205,9 +206,11 @@ class Offloader:
             def in_chunk(p: Any) -> Any:
                 return piece_of(p) if unit_of(p).index in members else None
 
-            with pieces_in_groups(optimizer, in_chunk), self._fast_host_kernels(optimizer):
+            with record_function(f"zero/host_step[units {chunk[0].index}-{chunk[-1].index}]"), \
+                    pieces_in_groups(optimizer, in_chunk), self._fast_host_kernels(optimizer):
                 inner()
-            publish(chunk)
+            with record_function("zero/publish"):
+                publish(chunk)
             if not self.cuda:
                 return None
             event = torch.cuda.Event()  # the chunk's host memory is read by queued copies until this
@@ -304,7 +307,8 @@ class _Overlap:
         def in_batch(p: Any) -> Any:
             return self.piece_of(p) if self.unit_of(p).index in members else None
 
-        with torch.no_grad(), pieces_in_groups(self.optimizer, in_batch), self.owner._fast_host_kernels(self.optimizer):
+        with torch.no_grad(), record_function(f"zero/host_step_in_backward[units {units[0].index}-{units[-1].index}]"), \
+                pieces_in_groups(self.optimizer, in_batch), self.owner._fast_host_kernels(self.optimizer):
             self.optimizer._zero_inner_step()
         stream = self.owner.up_stream
         if stream is None:

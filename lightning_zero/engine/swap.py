@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
+from torch.profiler import record_function
 
 from .flat_unit import FlatUnit
 from .host import HostArena
@@ -217,6 +218,10 @@ class NvmeStore:
         return out
 
     def _read(self, layout: list, staging: torch.Tensor, optimizer: Any) -> None:
+        with record_function("zero/nvme_read"):
+            self._read_all(layout, staging)
+
+    def _read_all(self, layout: list, staging: torch.Tensor) -> None:
         for unit, key, offset in layout:
             self.files[(unit.index, key)].read_into(staging[offset:offset + unit.layout.shard_numel])
 
@@ -254,6 +259,10 @@ class NvmeStore:
         return created
 
     def _write(self, layout: list, staging: torch.Tensor, created: list, event: Any) -> None:
+        with record_function("zero/nvme_write"):
+            self._write_all(layout, staging, created, event)
+
+    def _write_all(self, layout: list, staging: torch.Tensor, created: list, event: Any) -> None:
         if event is not None:
             event.synchronize()
         for unit, key, offset in layout:
