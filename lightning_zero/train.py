@@ -264,10 +264,15 @@ def main(cfg: DictConfig) -> None:
 
 register_schema()
 
-if __name__ == "__main__":
+def cli() -> None:
+    """``lightning-zero-train`` (console script) and ``python -m lightning_zero.train``."""
     try:
         check_overrides(sys.argv[1:])
     except ZeroConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
     main()
+
+
+if __name__ == "__main__":
+    cli()

@@ -168,3 +168,24 @@ def test_app_trains_on_two_cpu_ranks(tmp_path: Path, extra: tuple[str, ...]) -> 
     saved = OmegaConf.load(run_dir / ".hydra" / "config.yaml")
     assert saved.strategy.stage == (int(extra[0][-1]) if extra and extra[0][-1].isdigit() else 2)
     assert "sample:" in text  # rank 0 samples from the trained model (stage 3: a plain copy)
+
+
+@pytest.mark.slow
+def test_multirun_over_stages(tmp_path: Path) -> None:
+    """``--multirun strategy=zero1,zero2,zero3``: three jobs, the same losses (fp32, same data)."""
+    import re
+
+    out = _app("--multirun", "strategy=zero1,zero2,zero3", *SMOKE, "sample_chars=0", "trainer.accelerator=cpu",
+               f"hydra.sweep.dir={tmp_path / 'sweep'}", cwd=tmp_path, timeout=300)
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text[-4000:]
+    finals = re.findall(r"step\s+4/4\s+loss ([0-9.]+)", text)
+    assert len(finals) == 3 and len(set(finals)) == 1, finals
+    assert sorted(p.name for p in (tmp_path / "sweep").iterdir() if p.is_dir()) == ["0", "1", "2"]
+
+
+@pytest.mark.parametrize("name", ["gpt2_124m", "gpt2_350m", "gpt2_774m", "gpt2_1558m", "gpt_2_7b", "gpt_6_7b",
+                                  "gpt_13b"])
+def test_model_presets_compose(name: str) -> None:
+    cfg = _compose(f"model={name}")
+    assert cfg.model.n_layer >= 12 and cfg.model.d_model % cfg.model.n_head == 0
