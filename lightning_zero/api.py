@@ -13,6 +13,7 @@ Launched by ``torchrun`` (or as one process); NCCL on GPUs, gloo on CPU.
 
 from __future__ import annotations
 
+import atexit
 import os
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -43,7 +44,15 @@ def _setup_distributed() -> tuple[torch.device, int]:
         torch.cuda.set_device(device)
     if not dist.is_initialized() and "WORLD_SIZE" in os.environ:
         dist.init_process_group("nccl" if cuda else "gloo")
+        # a group torn down only during interpreter finalization can abort the process (gloo workers
+        # freeing finished work): end the one we started while the interpreter is still whole
+        atexit.register(_destroy_group)
     return device, local
+
+
+def _destroy_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def initialize(model: nn.Module, model_parameters: Any = None, config: Union[str, Path, dict, ZeroConfig, None] = None,
@@ -176,6 +185,13 @@ class ZeroModelEngine:
                 self.lr_scheduler.step()
         self.optimizer.zero_grad()
         self.global_steps += 1
+
+    def full_state_dict(self, rank0_only: bool = True) -> dict[str, torch.Tensor]:
+        """The module's ``state_dict()`` with fp32 master values on the CPU, gathered unit by unit (empty on other
+        ranks with ``rank0_only``): what ``save_pretrained`` / ``torch.save`` want."""
+        from .engine.state import full_model_state
+
+        return full_model_state(self.zero, keep=self.global_rank == 0 or not rank0_only)
 
     # ---- checkpoints (the strategy's sharded directory format) -----------------------------------
     def save_checkpoint(self, save_dir: Union[str, Path], tag: Optional[str] = None,

@@ -52,7 +52,7 @@ from omegaconf import DictConfig, OmegaConf  # noqa: E402
 from lightning_zero.config import ZeroConfig, ZeroConfigError, field_names  # noqa: E402
 
 __all__ = ["main", "run", "build_strategy", "resolve_devices", "check_overrides", "zero_schema",
-           "register_schema", "strategy_yaml", "write_strategy_yamls"]
+           "register_schema", "strategy_options", "strategy_yaml", "write_strategy_yamls"]
 
 log = logging.getLogger("lightning_zero.train")
 
@@ -117,13 +117,19 @@ def check_overrides(overrides: list[str]) -> None:
         ZeroConfig.from_dict(dict.fromkeys(unknown))  # raises ZeroConfigError for the first unknown key
 
 
+def strategy_options(node: Any) -> tuple[ZeroConfig, Optional[str]]:
+    """The composed ``strategy`` node as (validated ZeroConfig, DeepSpeed JSON path or None)."""
+    values = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node)
+    deepspeed = values.pop("deepspeed_config", None)
+    return ZeroConfig.from_dict(values), deepspeed
+
+
 def build_strategy(node: Any) -> Any:
     """``ZeroStrategy`` from the composed ``strategy`` node (through ZeroConfig, which validates it)."""
     from lightning_zero import ZeroStrategy
 
-    values = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node)
-    deepspeed = values.pop("deepspeed_config", None)
-    return ZeroStrategy(config=ZeroConfig.from_dict(values), deepspeed_config=deepspeed)
+    config, deepspeed = strategy_options(node)
+    return ZeroStrategy(config=config, deepspeed_config=deepspeed)
 
 
 # ---- devices ---------------------------------------------------------------------------------------
