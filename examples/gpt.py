@@ -228,6 +228,9 @@ class GPTModule(pl.LightningModule):
         super().__init__()
         self.save_hyperparameters()
         self.model: Optional[GPT] = None if build_in_configure_model else self._build()
+        with torch.device("meta"):  # the full count, whatever a strategy later shards or offloads
+            self.n_params = self._build().num_params()
+        self.flops_per_batch = 0  # read by Lightning's ThroughputMonitor, set per batch in training_step
         # Token-weighted perplexity over the whole validation set, synced across ranks by torchmetrics.
         self.val_ppl = Perplexity()
 
@@ -251,6 +254,10 @@ class GPTModule(pl.LightningModule):
         return loss, logits
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        # 6 N FLOPs per token (forward + backward, recomputation not counted). Lightning's Throughput
+        # divides this figure by the world size to get the per-device rate, so it is the global batch's.
+        world = self.trainer.world_size if self._trainer is not None else 1
+        self.flops_per_batch = 6 * self.n_params * batch[0].numel() * world
         loss, _ = self._loss(batch)
         self.log("train/loss", loss, on_step=True, prog_bar=True, sync_dist=True)
         return loss

@@ -27,7 +27,6 @@ import dataclasses
 import logging
 import os
 import sys
-import time
 import typing
 from pathlib import Path
 from typing import Any, Optional
@@ -154,37 +153,67 @@ def _limit_cpu_threads(accelerator: str, devices: Any) -> None:
 
 
 # ---- callbacks -------------------------------------------------------------------------------------
-class ProgressPrinter(Callback):
-    """Rank 0 logs one line every ``every`` steps (loss, lr, speed) and one per validation."""
+class RunSummary(Callback):
+    """Rank 0 logs one line per validation and one at the end of training: loss, throughput, MFU.
 
-    def __init__(self, every: int) -> None:
-        self.every = max(1, every)
-        self._t0 = time.perf_counter()
-        self._step0 = self._last = self._total = 0
-
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._t0, self._step0, self._last = time.perf_counter(), trainer.global_step, trainer.global_step
-        self._total = int(trainer.max_steps if trainer.max_steps > 0 else trainer.estimated_stepping_batches)
-
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
-        step = trainer.global_step
-        # With gradient accumulation several micro-batches end on one global step: log it once.
-        due = step != self._last and (step % self.every == 0 or step == self._total)
-        if not trainer.is_global_zero or not due:
-            return
-        self._last = step
-        loss = trainer.callback_metrics.get("train/loss")
-        lr = trainer.optimizers[0].param_groups[0]["lr"]
-        rate = (step - self._step0) / max(time.perf_counter() - self._t0, 1e-9)
-        loss_text = f"{float(loss):.4f}" if loss is not None else "n/a"
-        log.info("step %5d/%d  loss %s  lr %.2e  %.2f steps/s", step, self._total, loss_text, lr, rate)
+    Live progress is Lightning's own progress bar; throughput is Lightning's ``ThroughputMonitor``
+    (logged to the logger as ``train/device/items_per_sec`` = tokens/s per device, ``train/items_per_sec``
+    over all ranks, ``train/device/mfu`` where the GPU's peak FLOPs are known); this line repeats the
+    last of them so a log file or a CI job shows the result without opening the metrics.
+    """
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         metrics = trainer.callback_metrics
         if trainer.is_global_zero and not trainer.sanity_checking and "val/loss" in metrics:
             log.info("step %5d  val/loss %.4f  val/ppl %.2f", trainer.global_step, float(metrics["val/loss"]),
                      float(metrics.get("val/ppl", float("nan"))))
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.is_global_zero:
+            log.info("%s", summary_line(trainer))
+
+
+def summary_line(trainer: pl.Trainer) -> str:
+    metrics = {**trainer.callback_metrics, **trainer.logged_metrics}
+    total = int(trainer.max_steps if trainer.max_steps > 0 else trainer.estimated_stepping_batches)
+    parts = [f"finished step {trainer.global_step}/{total}"]
+    for key in ("train/loss", "val/loss"):
+        if key in metrics:
+            parts.append(f"{key} {float(metrics[key]):.4f}")
+    def throughput(name: str) -> Any:  # ThroughputMonitor's separator is "/" (older Lightning: "|")
+        return next((metrics[f"train{sep}{name}"] for sep in "/|" if f"train{sep}{name}" in metrics), None)
+
+    tokens = throughput("items_per_sec")  # all ranks (a single process logs only the device figure)
+    tokens = tokens if tokens is not None else throughput("device/items_per_sec")
+    # ThroughputMonitor logs every log_every_n_steps once its window is full: a shorter run has none
+    parts.append(f"tokens/s {float(tokens):,.0f}" if tokens is not None else "tokens/s n/a (run too short)")
+    mfu = throughput("device/mfu")
+    parts.append(f"MFU {float(mfu):.1%}" if mfu is not None else "MFU n/a (peak FLOPs unknown for this device)")
+    return "  ".join(parts)
+
+
+def throughput_monitor(window: int) -> Callback:
+    """Lightning's ThroughputMonitor counting tokens (batches are ``(ids, targets)`` of shape (B, T))."""
+    from lightning.pytorch.callbacks import ThroughputMonitor
+
+    return ThroughputMonitor(batch_size_fn=lambda batch: batch[0].shape[0], length_fn=lambda batch: batch[0].numel(),
+                             window_size=max(2, window))
+
+
+def pytorch_profiler(directory: Path) -> Any:
+    """Lightning's PyTorchProfiler writing a Chrome/Perfetto trace per rank under ``directory``.
+
+    Threads other than the main one are recorded too where torch allows it: the offloaded
+    optimizer step runs on a worker thread (``zero/host_step_in_backward``).
+    """
+    from lightning.pytorch.profilers import PyTorchProfiler
+
+    kwargs: dict[str, Any] = {}
+    try:
+        kwargs["experimental_config"] = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
+    except (AttributeError, TypeError):  # older torch: main-thread labels only
+        pass
+    return PyTorchProfiler(dirpath=directory, filename="trace", export_to_chrome=True, **kwargs)
 
 
 class MemoryReportPrinter(Callback):
@@ -221,17 +250,31 @@ def run(cfg: DictConfig) -> dict[str, float]:
     if trainer_cfg.get("logger") is True:  # a fixed choice (Lightning's default depends on what is installed)
         trainer_cfg["logger"] = CSVLogger(_output_dir(), name="logs")
 
+    trace_dir = None
+    if trainer_cfg.get("profiler") == "pytorch":  # ours: a trace file per rank, in a known place
+        trace_dir = Path(_output_dir()) / "profile"
+        trainer_cfg["profiler"] = pytorch_profiler(trace_dir)
+
     datamodule = instantiate(cfg.data)
     model = instantiate(cfg.model, vocab_size=datamodule.vocab_size)
     memory = MemoryReportPrinter()
+    callbacks: list[Callback] = [RunSummary(), memory, throughput_monitor(cfg.throughput_window)]
+    if trainer_cfg.get("enable_progress_bar", True):
+        from lightning.pytorch.callbacks import TQDMProgressBar
+
+        callbacks.append(TQDMProgressBar(refresh_rate=cfg.progress_every))
     trainer = pl.Trainer(accelerator=accelerator, devices=devices, strategy=build_strategy(cfg.strategy),
-                         callbacks=[ProgressPrinter(cfg.print_every), memory], default_root_dir=_output_dir(),
-                         **trainer_cfg)
+                         callbacks=callbacks, default_root_dir=_output_dir(), **trainer_cfg)
     if trainer.is_global_zero:
         log.info("%s", datamodule.describe())
         log.info("strategy %s on %s x %s, precision %s", trainer.strategy.config, accelerator, devices,
                  trainer.precision)
     trainer.fit(model, datamodule=datamodule)
+    if trace_dir is not None and trainer.is_global_zero:
+        traces = sorted(str(p) for p in trace_dir.glob("*.json"))
+        log.info("profiler trace: %s (open in https://ui.perfetto.dev or chrome://tracing; the zero/* ranges are "
+                 "the collectives, gathers, offload copies and optimizer steps)", ", ".join(traces) or
+                 f"none written under {trace_dir} (fewer than 5 training steps?)")
 
     if cfg.sample_chars > 0 and model.model is not None:
         sampler = model

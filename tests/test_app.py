@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -131,7 +132,9 @@ def test_resolve_devices(monkeypatch: pytest.MonkeyPatch) -> None:
 
 # ---- end to end ------------------------------------------------------------------------------------
 SMOKE = ("trainer.devices=2", "trainer.max_steps=4", "trainer.val_check_interval=2", "trainer.limit_val_batches=1",
-         "model.n_layer=1", "model.d_model=64", "model.n_head=2", "print_every=2", "sample_chars=20")
+         "model.n_layer=1", "model.d_model=64", "model.n_head=2", "progress_every=2", "throughput_window=2",
+         "trainer.log_every_n_steps=2",
+         "sample_chars=20")
 
 
 @pytest.mark.parametrize("name,field,value", [("zero2_offload", "offload_optimizer", "cpu"),
@@ -162,7 +165,9 @@ def test_app_trains_on_two_cpu_ranks(tmp_path: Path, extra: tuple[str, ...]) -> 
     out = _app(*SMOKE, *extra, f"hydra.run.dir={run_dir}", "trainer.accelerator=cpu", cwd=tmp_path, timeout=180)
     text = out.stdout + out.stderr
     assert out.returncode == 0, text[-4000:]
-    assert "step     4/4" in text and "val/loss" in text
+    assert re.search(r"finished step 4/4 +train/loss [0-9.]+ +val/loss [0-9.]+ +tokens/s [0-9,]+ +MFU n/a", text), \
+        text[-4000:]  # ThroughputMonitor's tokens/s; no MFU on a CPU (peak FLOPs unknown)
+    assert "4/4" in text and "it/s" in text  # Lightning's progress bar
     assert "lightning_zero memory report — rank 0/2" in text
     assert (run_dir / "train_ddp_process_1.log").is_file()  # rank 1 ran in the same output directory
     assert (run_dir / ".hydra" / "config.yaml").is_file()
@@ -174,13 +179,11 @@ def test_app_trains_on_two_cpu_ranks(tmp_path: Path, extra: tuple[str, ...]) -> 
 @pytest.mark.slow
 def test_multirun_over_stages(tmp_path: Path) -> None:
     """``--multirun strategy=zero1,zero2,zero3``: three jobs, the same losses (fp32, same data)."""
-    import re
-
     out = _app("--multirun", "strategy=zero1,zero2,zero3", *SMOKE, "sample_chars=0", "trainer.accelerator=cpu",
                f"hydra.sweep.dir={tmp_path / 'sweep'}", cwd=tmp_path, timeout=300)
     text = out.stdout + out.stderr
     assert out.returncode == 0, text[-4000:]
-    finals = re.findall(r"step\s+4/4\s+loss ([0-9.]+)", text)
+    finals = re.findall(r"finished step 4/4\s+train/loss ([0-9.]+)", text)
     assert len(finals) == 3 and len(set(finals)) == 1, finals
     assert sorted(p.name for p in (tmp_path / "sweep").iterdir() if p.is_dir()) == ["0", "1", "2"]
 
@@ -190,3 +193,21 @@ def test_multirun_over_stages(tmp_path: Path) -> None:
 def test_model_presets_compose(name: str) -> None:
     cfg = _compose(f"model={name}")
     assert cfg.model.n_layer >= 12 and cfg.model.d_model % cfg.model.n_head == 0
+
+
+@pytest.mark.slow
+def test_profiler_trace_shows_zero_ranges(tmp_path: Path) -> None:
+    """``trainer.profiler=pytorch``: the app says where the trace went; it holds the zero/* ranges."""
+    run_dir = tmp_path / "run"
+    out = _app(*SMOKE, "trainer.max_steps=6", "trainer.profiler=pytorch", "sample_chars=0",
+               "trainer.enable_progress_bar=false", f"hydra.run.dir={run_dir}", "trainer.accelerator=cpu",
+               cwd=tmp_path, timeout=240)
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text[-4000:]
+    traces = re.search(r"profiler trace: (\S+\.json)", text)
+    assert traces, text[-4000:]
+    trace = Path(traces.group(1).rstrip(","))
+    assert trace.is_file() and trace.parent == run_dir / "profile"
+    body = trace.read_text()
+    assert "zero/reduce_scatter[" in body and "zero/reduce_wait" in body
+    assert "it/s" not in text  # progress bar off
