@@ -31,12 +31,27 @@ import typing
 from pathlib import Path
 from typing import Any, Optional
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-CONF_DIR = REPO_ROOT / "conf"
-# The example model and data live in the top-level ``examples`` package of the checkout; make it
-# importable however the app was started (from another directory, or with the package installed).
-if (REPO_ROOT / "examples" / "__init__.py").is_file() and str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
+PACKAGE_DIR = Path(__file__).resolve().parent
+REPO_ROOT = PACKAGE_DIR.parent
+_IN_CHECKOUT = (REPO_ROOT / "pyproject.toml").is_file() and (REPO_ROOT / "conf" / "config.yaml").is_file()
+# A checkout (or editable install) reads conf/ and the top-level ``examples`` package in place; a
+# wheel carries them inside the package (lightning_zero/conf, lightning_zero/_examples: see
+# pyproject's package-dir) and ``examples`` is made an alias of the bundled copy, so the configs'
+# ``_target_: examples.gpt.GPTModule`` resolve the same way in both.
+CONF_DIR = REPO_ROOT / "conf" if _IN_CHECKOUT else PACKAGE_DIR / "conf"
+
+
+def _make_examples_importable() -> None:
+    if _IN_CHECKOUT:
+        if str(REPO_ROOT) not in sys.path:  # started from another directory
+            sys.path.insert(0, str(REPO_ROOT))
+    elif "examples" not in sys.modules:
+        import importlib
+
+        sys.modules["examples"] = importlib.import_module("lightning_zero._examples")
+
+
+_make_examples_importable()
 
 import hydra  # noqa: E402  (after the sys.path fix-up on purpose)
 import lightning.pytorch as pl  # noqa: E402

@@ -211,3 +211,32 @@ def test_profiler_trace_shows_zero_ranges(tmp_path: Path) -> None:
     body = trace.read_text()
     assert "zero/reduce_scatter[" in body and "zero/reduce_wait" in body
     assert "it/s" not in text  # progress bar off
+
+
+@pytest.mark.slow
+def test_app_from_an_installed_wheel(tmp_path: Path) -> None:
+    """``pip install <wheel>`` (not editable), then ``lightning-zero-train`` in an empty directory:
+    the configs and the example model/data come from the wheel, not from the checkout."""
+    repo = Path(__file__).resolve().parents[1]
+    build = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                            str(tmp_path / "dist"), str(repo)], capture_output=True, text=True, timeout=300)
+    assert build.returncode == 0, build.stderr[-3000:]
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True, timeout=120)
+    pip = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "--no-deps", "-q",
+                          *map(str, (tmp_path / "dist").glob("*.whl"))], capture_output=True, text=True, timeout=300)
+    assert pip.returncode == 0, pip.stderr[-3000:]
+    work = tmp_path / "work"
+    work.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    where = subprocess.run([str(venv / "bin" / "python"), "-c", "import lightning_zero.train as t, examples.gpt as g;"
+                            "print(t.CONF_DIR); print(g.__file__)"], cwd=work, env=env, capture_output=True,
+                           text=True, timeout=120)
+    assert where.returncode == 0, where.stderr[-3000:]
+    assert all(line.startswith(str(venv)) for line in where.stdout.split()), where.stdout
+    out = subprocess.run([str(venv / "bin" / "lightning-zero-train"), *SMOKE, "trainer.accelerator=cpu",
+                          f"hydra.run.dir={work / 'run'}"], cwd=work, env=env, capture_output=True, text=True,
+                         timeout=240)
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text[-4000:]
+    assert "finished step 4/4" in text and "sample:" in text
