@@ -11,6 +11,16 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+# Set in this process by in-process Trainers (Lightning exports MASTER_PORT, ...): a job started as a
+# subprocess must not inherit them, or it would join a rendezvous that no longer exists.
+LAUNCH_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK", "LOCAL_WORLD_SIZE",
+               "GROUP_RANK", "TORCHELASTIC_RUN_ID", "PL_GLOBAL_SEED")
+
+
+def job_env(**extra: str) -> dict:
+    """This process's environment without distributed launch variables, plus ``extra``."""
+    return {**{k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}, **extra}
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -40,6 +50,18 @@ def _entry(rank: int, world: int, port: int, fn, args, queue, lightning: bool, o
             dist.destroy_process_group()
 
 
+_PRELOAD = ["torch", "torch.distributed", "lightning.pytorch", "lightning_zero"]
+
+
+def _context():
+    """A forkserver that has imported torch and Lightning once: each rank forks from it instead of
+    importing them again (seconds per rank on a 2-core machine). It never touches CUDA, so forked
+    ranks may still use the GPU; the preload failing falls back to a plain import in the child."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
 def run_ranks(fn, world: int, *args, timeout: float = 300.0, lightning: bool = False, one_gpu: bool = False) -> list:
     """``fn(rank, world, *args)`` on ``world`` processes; returns the per-rank results in rank order.
 
@@ -51,7 +73,7 @@ def run_ranks(fn, world: int, *args, timeout: float = 300.0, lightning: bool = F
     # A fixed mmap threshold makes glibc return large freed blocks to the OS, so that peak RSS
     # measures what a process really held rather than heap fragmentation.
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "1048576")
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     queue = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_entry, args=(r, world, port, fn, args, queue, lightning or one_gpu, one_gpu)) for r in range(world)]

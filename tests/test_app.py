@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from dist_utils import job_env
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
@@ -28,7 +29,7 @@ def _compose(*overrides: str):
 
 def _app(*args: str, cwd: Path, timeout: float) -> subprocess.CompletedProcess:
     # PYTHONPATH: the package is run from a checkout (it need not be installed).
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
+    env = job_env(PYTHONPATH=os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]))
     return subprocess.run([sys.executable, "-m", "lightning_zero.train", *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=timeout)
 
@@ -228,7 +229,7 @@ def test_app_from_an_installed_wheel(tmp_path: Path) -> None:
     assert pip.returncode == 0, pip.stderr[-3000:]
     work = tmp_path / "work"
     work.mkdir()
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env = {k: v for k, v in job_env().items() if k != "PYTHONPATH"}
     where = subprocess.run([str(venv / "bin" / "python"), "-c", "import lightning_zero.train as t, examples.gpt as g;"
                             "print(t.CONF_DIR); print(g.__file__)"], cwd=work, env=env, capture_output=True,
                            text=True, timeout=120)

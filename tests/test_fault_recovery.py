@@ -3,14 +3,13 @@ from the last complete sharded checkpoint, and ends with the weights of an unint
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from dist_utils import free_port
+from dist_utils import free_port, job_env
 from parity import state_err
 
 from lightning_zero.checkpoint.files import check_complete
@@ -23,7 +22,7 @@ def run_job(out: Path, strategy: str, kill: str, timeout: float = 240.0) -> subp
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "1",
            "--monitor-interval", "0.5", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
            str(JOB), str(out), strategy, kill]
-    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+    env = job_env(PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
 
 

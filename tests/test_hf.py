@@ -3,7 +3,6 @@ reentrant gradient checkpointing under every stage against DDP."""
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
@@ -14,7 +13,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from dist_utils import run_ranks  # noqa: E402
+from dist_utils import job_env, run_ranks  # noqa: E402
 from parity import assert_parity  # noqa: E402
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -57,7 +56,7 @@ def _checked_save(out: subprocess.CompletedProcess, saved: Path) -> None:
 
 
 def _env() -> dict:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    return job_env(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
 
 
 def test_engine_example_on_two_cpu_ranks(tmp_path: Path) -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from dist_utils import free_port
+from dist_utils import free_port, job_env
 from parity import assert_parity, loss_err
 
 TESTS = Path(__file__).resolve().parent
@@ -26,7 +26,7 @@ STRATEGIES = ("ddp", "zero2_buckets", "zero3")
 def start_job(strategy: str, out_dir: Path) -> list[subprocess.Popen]:
     """Start both node agents; each in its own session so that a failure can kill its whole tree."""
     port = free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+    env = {**job_env(), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS.parent), os.environ.get("PYTHONPATH")]))}
     procs = []
     for node in (0, 1):

@@ -15,11 +15,11 @@ the file.
 from __future__ import annotations
 
 import mmap
+import multiprocessing.util
 import os
 import shutil
 import tempfile
 import uuid
-import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -106,7 +106,12 @@ class NvmeStore:
                  masters: bool = True, params_dtype: Optional[torch.dtype] = None) -> None:
         self.dir = root / f"lightning_zero-{uuid.uuid4().hex[:12]}-rank{rank}"
         self.dir.mkdir()
-        self._cleanup = weakref.finalize(self, shutil.rmtree, str(self.dir), True)  # also at interpreter exit
+        # Removed when the store is collected, closed, or the process exits. multiprocessing's
+        # Finalize (not weakref.finalize/atexit) because ranks started by fork or forkserver
+        # (Lightning's ddp_fork / ddp_notebook) end with os._exit, which skips atexit but still runs
+        # these finalizers; a normal interpreter exit runs them too.
+        self._cleanup = multiprocessing.util.Finalize(self, shutil.rmtree, args=(str(self.dir), True),
+                                                      exitpriority=10)
         self.units = list(units)
         self.files: dict[tuple[int, str], MappedFile] = {}
         self.state_keys: list[str] = []
