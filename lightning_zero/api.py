@@ -138,10 +138,10 @@ class ZeroModelEngine:
         return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
 
     def dataloader(self, data: Any, collate_fn: Optional[Callable] = None) -> torch.utils.data.DataLoader:
-        sampler = (torch.utils.data.DistributedSampler(data, self.world_size, self.global_rank)
-                   if self.world_size > 1 else None)
-        return torch.utils.data.DataLoader(data, batch_size=self.train_micro_batch_size_per_gpu(), sampler=sampler,
-                                           shuffle=sampler is None, collate_fn=collate_fn, drop_last=True)
+        # A DistributedSampler at every world size (as DeepSpeed): the same seeded order on 1 rank as on N
+        sampler = torch.utils.data.DistributedSampler(data, self.world_size, self.global_rank)
+        return _EpochLoader(data, batch_size=self.train_micro_batch_size_per_gpu(), sampler=sampler,
+                            collate_fn=collate_fn, drop_last=True)
 
     # ---- training ------------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -226,3 +226,15 @@ class ZeroModelEngine:
         self.global_steps = int(checkpoint.get("global_step", 0))
         self.micro_steps = int(checkpoint.get("micro_steps", self.global_steps * self.gradient_accumulation_steps()))
         return path, checkpoint.get("client_state", {})
+
+
+class _EpochLoader(torch.utils.data.DataLoader):
+    """Each pass over the loader is a new epoch of its DistributedSampler (a new seeded order,
+    the same on every rank), so a plain ``for epoch ...: for batch in loader`` reshuffles."""
+
+    epoch = 0
+
+    def __iter__(self) -> Any:
+        self.sampler.set_epoch(self.epoch)
+        self.epoch += 1
+        return super().__iter__()

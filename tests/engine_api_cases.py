@@ -32,8 +32,8 @@ def _loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return (out - y).pow(2).mean()
 
 
-def ddp_reference(rank: int, world: int, micro_batches: int) -> dict:
-    model = DDP(_model())
+def ddp_reference(rank: int, world: int, micro_batches: int, device: str = "cpu") -> dict:
+    model = DDP(_model().to(device))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, s / 5))
     data = _data()
@@ -42,6 +42,7 @@ def ddp_reference(rank: int, world: int, micro_batches: int) -> dict:
     for i, (x, y) in enumerate(loader):
         if i == micro_batches:
             break
+        x, y = x.to(device), y.to(device)
         boundary = (i + 1) % 2 == 0
         with (model.no_sync() if not boundary else torch.enable_grad()):
             loss = _loss(model(x), y)
@@ -52,7 +53,7 @@ def ddp_reference(rank: int, world: int, micro_batches: int) -> dict:
             opt.step()
             sched.step()
             opt.zero_grad()
-    return {"state": {k: v.detach().clone() for k, v in model.module.state_dict().items()}, "losses": losses}
+    return {"state": {k: v.detach().cpu().clone() for k, v in model.module.state_dict().items()}, "losses": losses}
 
 
 def engine_run(rank: int, world: int, zero: dict, micro_batches: int, save_at: int = -1, save_dir: str = "",
@@ -71,6 +72,7 @@ def engine_run(rank: int, world: int, zero: dict, micro_batches: int, save_at: i
             continue
         if i == micro_batches:
             break
+        x, y = x.to(engine.device), y.to(engine.device)
         loss = _loss(engine(x), y)
         engine.backward(loss)
         engine.step()
@@ -80,5 +82,5 @@ def engine_run(rank: int, world: int, zero: dict, micro_batches: int, save_at: i
     state = {}
     for unit, full in engine.zero.gather_masters():
         for name, view in zip(unit.names, unit.param_views(full)):
-            state[name] = view.detach().clone()
+            state[name] = view.detach().cpu().clone()
     return {"state": state, "losses": losses, "steps": engine.global_steps, "lr": opt.param_groups[0]["lr"]}

@@ -113,3 +113,24 @@ def test_teardown_never_holds_the_fp32_model_on_the_gpu(stage):
     assert teardown_growth < 0.5 * fp32_model, (teardown_growth, fp32_model)
     if stage == 2:
         assert all(p.device.type == "cpu" and p.dtype == torch.float32 for p in module.parameters())
+
+
+def test_engine_api_under_torchrun_on_the_gpu(tmp_path):
+    # lightning_zero.initialize on NCCL (torchrun, one GPU): every stage and the pinned offloads match DDP
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from dist_utils import job_env
+    from engine_api_cases import __file__ as cases_file
+
+    tests = Path(cases_file).parent
+    out = tmp_path / "engine.pt"
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1",
+                          str(tests / "engine_gpu_job.py"), str(out)], env=job_env(PYTHONPATH=str(tests)),
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
+    results = torch.load(out, weights_only=False)
+    for name in ("zero1", "zero2", "zero3", "zero2_offload", "zero3_offload"):
+        assert results[name]["steps"] == 8
+        assert_parity(results[name], results["ddp"], tol=1e-5)
