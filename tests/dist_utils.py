@@ -55,8 +55,10 @@ _PRELOAD = ["torch", "torch.distributed", "lightning.pytorch", "lightning_zero"]
 
 def _context():
     """A forkserver that has imported torch and Lightning once: each rank forks from it instead of
-    importing them again (seconds per rank on a 2-core machine). It never touches CUDA, so forked
-    ranks may still use the GPU; the preload failing falls back to a plain import in the child."""
+    importing them again (seconds per rank on a 2-core machine); a preload that fails falls back to a
+    plain import in the child. With CUDA present, ranks are spawned as before."""
+    if torch.cuda.is_available():  # the GPU machine: spawn, the path validated there (no fork near CUDA)
+        return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)
     return ctx
