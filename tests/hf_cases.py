@@ -28,20 +28,19 @@ def _model(checkpointing: bool) -> GPT2LMHeadModel:
     return model
 
 
-def _data() -> torch.Tensor:
-    return torch.randint(0, 96, (64, 16), generator=torch.Generator().manual_seed(1))
+def _micro_batches(rank: int, world: int) -> list[torch.Tensor]:
+    """This rank's first MICRO_BATCHES batches of 4 token windows, in the same order for every run."""
+    data = torch.randint(0, 96, (64, 16), generator=torch.Generator().manual_seed(1))
+    loader = DataLoader(data, batch_size=4, sampler=DistributedSampler(data, world, rank, shuffle=False))
+    return list(loader)[:MICRO_BATCHES]
 
 
 def ddp_reference(rank: int, world: int) -> dict:
     """Plain DDP, no checkpointing: the numbers every stage must reproduce."""
     model = DDP(_model(checkpointing=False))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0, eps=EPS)
-    data = _data()
-    loader = DataLoader(data, batch_size=4, sampler=DistributedSampler(data, world, rank, shuffle=False))
     losses = []
-    for i, batch in enumerate(loader):
-        if i == MICRO_BATCHES:
-            break
+    for i, batch in enumerate(_micro_batches(rank, world)):
         boundary = (i + 1) % 2 == 0
         with (model.no_sync() if not boundary else torch.enable_grad()):
             loss = model(input_ids=batch, labels=batch).loss
@@ -61,12 +60,8 @@ def engine_run(rank: int, world: int, stage: int) -> dict:
                                     "stage3_param_persistence_threshold": 0},
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.0, "eps": EPS}}}
     engine, _, _, _ = lightning_zero.initialize(model=model, model_parameters=model.parameters(), config=config)
-    data = _data()
-    loader = DataLoader(data, batch_size=4, sampler=DistributedSampler(data, world, rank, shuffle=False))
     losses = []
-    for i, batch in enumerate(loader):
-        if i == MICRO_BATCHES:
-            break
+    for batch in _micro_batches(rank, world):
         loss = engine(input_ids=batch, labels=batch).loss
         engine.backward(loss)
         engine.step()

@@ -122,15 +122,15 @@ def test_engine_api_under_torchrun_on_the_gpu(tmp_path):
     from pathlib import Path
 
     from dist_utils import job_env
-    from engine_api_cases import __file__ as cases_file
+    from test_engine_api import STAGES
 
-    tests = Path(cases_file).parent
+    tests = Path(__file__).parent
     out = tmp_path / "engine.pt"
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1",
                           str(tests / "engine_gpu_job.py"), str(out)], env=job_env(PYTHONPATH=str(tests)),
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
     results = torch.load(out, weights_only=False)
-    for name in ("zero1", "zero2", "zero3", "zero2_offload", "zero3_offload"):
+    for name in STAGES:
         assert results[name]["steps"] == 8
         assert_parity(results[name], results["ddp"], tol=1e-5)
