@@ -76,6 +76,11 @@ class ZeroConfig:
         overlap_step: offload: step host units during backward as soon as their gradients are final, when
             that is exact (one optimizer, automatic optimization, no clipping, no fp16 loss scaling, no
             ``on_before_optimizer_step`` override); otherwise the host step follows backward.
+        offload_accumulation: offload with gradient accumulation: where the offloaded units' gradients add up
+            over the micro-batches of a window. "device" keeps an fp32 accumulator of them on the GPU and
+            crosses PCIe once per step; "host" copies each micro-batch's reduced gradients down on a side
+            stream and adds them on the host while the next micro-batch runs (no GPU memory for them:
+            what lets the largest models accumulate).
         auto_placement: at setup, plan the stage and offload placement for the real devices and model
             (``strategy="zero_auto"``); the fields above are then chosen, not read.
     """
@@ -106,6 +111,7 @@ class ZeroConfig:
     nvme_path: Optional[str] = None
     nvme_buffer_bytes: int = 1 << 30
     overlap_step: bool = True
+    offload_accumulation: str = "device"
     auto_placement: bool = False
 
     def __post_init__(self) -> None:
@@ -150,6 +156,8 @@ class ZeroConfig:
                "use a share between 0.0 (all on the device) and 1.0 (all offloaded)")
         _check(self.offload_fraction == 1.0 or self.offload_optimizer != "none", "offload_fraction",
                self.offload_fraction, "a partial placement needs offload_optimizer='cpu' or 'nvme'")
+        _check(self.offload_accumulation in ("device", "host"), "offload_accumulation", self.offload_accumulation,
+               "use 'device' (an fp32 accumulator on the GPU) or 'host' (micro-batch gradients added on the host)")
         _check(self.nvme_buffer_bytes >= 4096, "nvme_buffer_bytes", self.nvme_buffer_bytes,
                "use a positive number of bytes, at least 4096 (the host staging budget of NVMe offload)")
         _check(self.collective_timeout_s > 0, "collective_timeout_s", self.collective_timeout_s,

@@ -2,6 +2,7 @@
 
     python -m lightning_zero.estimate --params 13e9 --gpu-mem 139 --host-mem 125 --nvme 60
     python -m lightning_zero.estimate model=gpt_small --gpus-per-node 8 --nodes 2 --batch 16 --seq 1024
+    python -m lightning_zero.estimate model=gpt_13b --batch 4 --accumulate 8 --activations 12
 
 Prints one row per configuration (DDP, zero1/2/3, each offload, the recommended partial placement):
 per-rank GPU memory for model states and in total, host memory, NVMe, the memory left for
@@ -39,11 +40,11 @@ def count_model(name: str, overrides: list[str]) -> tuple[int, dict]:
 
 
 def table(rows: list[Placement], hw: Hardware) -> str:
-    head = (f"{'configuration':<44}{'GPU states':>11}{'GPU total':>11}{'act. free':>11}{'host/rank':>11}"
+    head = (f"{'configuration':<58}{'GPU states':>11}{'GPU total':>11}{'act. free':>11}{'host/rank':>11}"
             f"{'NVMe/rank':>11}  fits  bottleneck")
     lines = [head, "-" * len(head)]
     for r in rows:
-        lines.append(f"{r.name:<44}{r.gpu_state / GiB:>10.1f}G{r.gpu_total / GiB:>10.1f}G"
+        lines.append(f"{r.name:<58}{r.gpu_state / GiB:>10.1f}G{r.gpu_total / GiB:>10.1f}G"
                      f"{max(r.free_for_activations, 0) / GiB:>10.1f}G{r.host / GiB:>10.1f}G{r.nvme / GiB:>10.1f}G"
                      f"  {'yes ' if r.fits else 'no  '}  {r.bottleneck}")
     lines.append(f"{hw.world} GPU(s) of {hw.gpu_bytes / GiB:.0f} GiB, {hw.host_bytes / GiB:.0f} GiB host and "
@@ -67,6 +68,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--precision", default="bf16-mixed", help="bf16-mixed, 16-mixed or 32-true")
     ap.add_argument("--batch", type=int, default=8, help="micro-batch per GPU (activation estimate)")
     ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--accumulate", type=int, default=1,
+                    help="micro-batches per optimizer step (offload: also rows with host accumulation)")
     ap.add_argument("--activations", type=float, help="GiB of activations per micro-batch (overrides the estimate)")
     args = ap.parse_args(flags)
     if (args.params is None) == (model is None):
@@ -85,8 +88,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         act = 0
     hw = Hardware(gpus_per_node=args.gpus_per_node, nodes=args.nodes, gpu_bytes=int(args.gpu_mem * GiB),
                   host_bytes=int(args.host_mem * GiB), nvme_bytes=int(args.nvme * GiB))
-    rows = plan(numel, hw, compute_bytes=p, activations=act, tokens_per_step=args.batch * args.seq * hw.world)
-    print(f"{numel:,} parameters ({numel / 1e9:.2f}B), {args.precision}, activations {act / GiB:.1f} GiB per GPU")
+    if args.accumulate < 1:
+        ap.error(f"--accumulate {args.accumulate}: use 1 or more micro-batches per step")
+    rows = plan(numel, hw, compute_bytes=p, activations=act, tokens_per_step=args.batch * args.seq * hw.world,
+                accumulate=args.accumulate)
+    print(f"{numel:,} parameters ({numel / 1e9:.2f}B), {args.precision}, activations {act / GiB:.1f} GiB per GPU, "
+          f"{args.accumulate} micro-batch(es) a step")
     print(table(rows, hw))
     return 0
 

@@ -104,7 +104,7 @@ def estimate(num_params: int, config: Optional[ZeroConfig], hw: Hardware, *, com
             opt_side = (master + 4 + state_bytes) * shard  # fp32 compute: the parameter is the master
             out.gpu_state = int(p * n + full_grads + opt_side * (1 - f) + bucket)
             out.gpu_buffers = int(full_grads + bucket)
-        if f and accumulate > 1:
+        if f and accumulate > 1 and config.offload_accumulation == "device":
             out.gpu_state += int(4 * shard * f)  # device accumulator of the offloaded gradients
         host_state = int(f * shard * (4 + 4 + state_bytes))
         if config.offload_optimizer == "nvme":
@@ -114,10 +114,12 @@ def estimate(num_params: int, config: Optional[ZeroConfig], hw: Hardware, *, com
             out.host = host_state
         if config.shard_params and config.offload_params == "nvme":
             out.nvme += int(f * shard * p)
+        if f and accumulate > 1 and config.offload_accumulation == "host":
+            out.host += 2 * 4 * min(largest_unit or n // 24, int(shard))  # two pinned staging slots
     out.gpu_total = out.gpu_state + activations + CUDA_CONTEXT_BYTES
     out.fits = (out.gpu_total <= out.gpu_total_cap and out.host * hw.gpus_per_node <= hw.host_bytes * HEADROOM
                 and out.nvme * hw.gpus_per_node <= hw.nvme_bytes * HEADROOM + (0 if out.nvme else 1))
-    _times(out, n, hw, tokens_per_step, p)
+    _times(out, n, hw, tokens_per_step, accumulate)
     return out
 
 
@@ -127,20 +129,25 @@ def _name(config: ZeroConfig) -> str:
         where = config.offload_optimizer + ("+params " + config.offload_params if config.offload_params != "none" else "")
         share = "" if config.offload_fraction == 1.0 else f" {config.offload_fraction:.0%}"
         name += f" offload {where}{share}"
+        if config.offload_accumulation == "host":
+            name += ", host acc."
     return name
 
 
-def _times(out: Placement, n: int, hw: Hardware, tokens: int, p: int) -> None:
-    """Seconds per step of each resource; the largest is the bottleneck."""
+def _times(out: Placement, n: int, hw: Hardware, tokens: int, accumulate: int) -> None:
+    """Seconds per step (``tokens``: one micro-batch of every rank) of each resource; the largest is the
+    bottleneck."""
     w, config = hw.world, out.config
-    t = {"GPU compute": 6.0 * n * tokens / w / (hw.gpu_tflops * 1e12 * 0.6) if tokens else 0.0}
+    t = {"GPU compute": 6.0 * n * tokens * accumulate / w / (hw.gpu_tflops * 1e12 * 0.6) if tokens else 0.0}
     if config is not None and config.offloads:
         f, shard = config.offload_fraction, n / w
-        moved = f * shard * (4 + 4)  # gradients down, fp32 master up
+        host_adds = accumulate - 1 if config.offload_accumulation == "host" else 0
+        moved = f * shard * 4 * (1 + host_adds) + f * shard * 4  # gradients down (each micro-batch), master up
         if config.shard_params and config.offload_params != "none":
-            moved += 2 * f * shard * 4  # forward and backward gathers copy from the host
+            moved += 2 * f * shard * 4 * accumulate  # forward and backward gathers copy from the host
         t["PCIe"] = moved / (hw.pcie_gbps * 1e9)
-        t["CPU step"] = f * shard / (hw.cpu_step_params_per_s / hw.gpus_per_node)
+        # an add streams 12 bytes an element where AdamW streams 28: about 2.3x the step's rate
+        t["CPU step"] = f * shard * (1 + host_adds * 12 / 28) / (hw.cpu_step_params_per_s / hw.gpus_per_node)
         if config.offload_optimizer == "nvme":
             t["NVMe"] = 2 * out.nvme * hw.gpus_per_node / (hw.nvme_gbps * 1e9)
     out.seconds = t
@@ -157,30 +164,46 @@ CANDIDATES = (
 
 
 def plan(num_params: int, hw: Hardware, **kwargs: object) -> list[Placement]:
-    """Every candidate, plus the recommended partial placement, in the order of least traffic first."""
-    rows = [estimate(num_params, c, hw, **kwargs) for c in CANDIDATES]
+    """Every candidate, plus the recommended partial placement, in the order of least traffic first. With
+    ``accumulate`` > 1 each offload row also comes with host accumulation (no device accumulator)."""
+    rows = []
+    for config in CANDIDATES:
+        rows.append(estimate(num_params, config, hw, **kwargs))
+        if config is not None and config.offloads and int(kwargs.get("accumulate", 1)) > 1:
+            rows.append(estimate(num_params, config.replace(offload_accumulation="host"), hw, **kwargs))
     partial = recommend_partial(num_params, hw, **kwargs)
     if partial is not None:
-        rows.insert(5, partial)
+        rows.insert(4, partial)
     return rows
 
 
+def _with_accumulation(config: ZeroConfig, kwargs: dict) -> list[ZeroConfig]:
+    """``config``, then (offloading with accumulation) the same with host accumulation: more PCIe traffic,
+    no device memory for the offloaded gradients."""
+    if config.offloads and int(kwargs.get("accumulate", 1)) > 1:
+        return [config, config.replace(offload_accumulation="host")]
+    return [config]
+
+
 def recommend_partial(num_params: int, hw: Hardware, **kwargs: object) -> Optional[Placement]:
-    """zero2 with the smallest offload fraction (steps of 5%) that fits the GPU, when zero2 itself does not."""
+    """zero2 with the smallest offload fraction (steps of 5%) that fits, when zero2 itself does not; at each
+    fraction the device accumulator is tried before host accumulation."""
     if estimate(num_params, ZeroConfig(stage=2), hw, **kwargs).fits:
         return None
     for percent in range(5, 100, 5):
-        config = ZeroConfig(stage=2, offload_optimizer="cpu", offload_fraction=percent / 100)
-        row = estimate(num_params, config, hw, **kwargs)
-        if row.fits:
-            row.name += " (recommended partial)"
-            return row
+        for config in _with_accumulation(ZeroConfig(stage=2, offload_optimizer="cpu", offload_fraction=percent / 100),
+                                         kwargs):
+            row = estimate(num_params, config, hw, **kwargs)
+            if row.fits:
+                row.name += " (recommended partial)"
+                return row
     return None
 
 
 def choose(num_params: int, hw: Hardware, base: ZeroConfig, **kwargs: object) -> Placement:
     """The first placement that fits, in the order of least traffic: stages without offload, then zero2 with
-    the smallest partial offload that fits, full CPU offload, stage 3 with parameters on the CPU, NVMe."""
+    the smallest partial offload that fits, full CPU offload, stage 3 with parameters on the CPU, NVMe (each
+    offload with a device accumulator before host accumulation)."""
     options = [ZeroConfig(stage=s) for s in (2, 3)]
     partial = recommend_partial(num_params, hw, **kwargs)
     if partial is not None:
@@ -190,14 +213,15 @@ def choose(num_params: int, hw: Hardware, base: ZeroConfig, **kwargs: object) ->
     if hw.nvme_bytes:
         options.append(ZeroConfig(stage=3, offload_optimizer="nvme", offload_params="nvme"))
     keep = {k: v for k, v in base.to_dict().items()
-            if k not in ("stage", "offload_optimizer", "offload_params", "offload_fraction", "auto_placement")}
+            if k not in ("stage", "offload_optimizer", "offload_params", "offload_fraction", "offload_accumulation",
+                         "auto_placement")}
     for option in options:
-        config = option.replace(**keep)
-        row = estimate(num_params, config, hw, **kwargs)
-        if row.fits:
-            row.why = (f"{row.name}: {row.gpu_total / GiB:.1f} GiB of {hw.gpu_bytes / GiB:.0f} GiB GPU, "
-                       f"{row.host / GiB:.1f} GiB host per rank; the first that fits in order of least traffic")
-            return row
+        for config in _with_accumulation(option.replace(**keep), kwargs):
+            row = estimate(num_params, config, hw, **kwargs)
+            if row.fits:
+                row.why = (f"{row.name}: {row.gpu_total / GiB:.1f} GiB of {hw.gpu_bytes / GiB:.0f} GiB GPU, "
+                           f"{row.host / GiB:.1f} GiB host per rank; the first that fits in order of least traffic")
+                return row
     raise ValueError(
         f"No placement fits {num_params / 1e9:.2f}B parameters on {hw.world} GPU(s) of {hw.gpu_bytes / GiB:.0f} GiB "
         f"with {hw.host_bytes / GiB:.0f} GiB host memory and {hw.nvme_bytes / GiB:.0f} GiB NVMe per node: add GPUs "

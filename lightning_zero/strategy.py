@@ -260,8 +260,10 @@ class ZeroStrategy(ParallelStrategy):
 
         module = self.lightning_module
         numel = sum(p.numel() for p in module.parameters())
+        trainer = getattr(module, "_trainer", None)
         choice = choose(numel, hardware_here(self.root_device, self.num_processes, self.num_nodes, self.config),
-                        self.config, compute_bytes=2 if self.precision_plugin.compute_dtype != torch.float32 else 4)
+                        self.config, compute_bytes=2 if self.precision_plugin.compute_dtype != torch.float32 else 4,
+                        accumulate=int(getattr(trainer, "accumulate_grad_batches", 1) or 1))
         chosen = [choice.config.to_dict(), choice.why]
         if self.comm.world_size > 1:
             torch.distributed.broadcast_object_list(chosen, src=0)

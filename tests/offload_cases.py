@@ -18,6 +18,7 @@ from lightning_zero import ZeroConfig, ZeroStrategy
 
 LM = dict(accumulate=2, clip_val=0.5)
 SMALL_UNITS = dict(min_group_params=10, param_persistence_threshold=0)
+HOST_ACC = dict(offload_accumulation="host")
 
 
 def nvme(path: str, **more) -> dict:
@@ -39,6 +40,11 @@ def parity_cases(nvme_dir: str) -> dict:
         "zero2_nvme": (("lm", "zero2"), dict(LM, options=nvme(nvme_dir))),
         "zero3_nvme": (("lm", "zero3"), dict(LM, options=nvme(nvme_dir, offload_params="nvme", **SMALL_UNITS))),
         "zero3_nvme_cpu": (("lm", "zero3"), dict(LM, options=nvme(nvme_dir, offload_params="cpu", **SMALL_UNITS))),
+        # micro-batch gradients added on the host instead of a device accumulator
+        "zero2_host_acc": (("lm", "zero2"), dict(LM, options=dict(cpu, offload_fraction=0.5, **HOST_ACC))),
+        "zero3_host_acc": (("lm", "zero3"), dict(LM, options=dict(cpu, offload_params="cpu", **HOST_ACC,
+                                                                  **SMALL_UNITS))),
+        "zero2_nvme_host_acc": (("lm", "zero2"), dict(LM, options=nvme(nvme_dir, **HOST_ACC))),
         "gan_ddp": (("gan", "ddp_find_unused_parameters_true"), {}),
         "gan_zero2_cpu": (("gan", "zero2"), dict(options=dict(cpu, offload_fraction=0.6))),
         "gan_zero2_nvme": (("gan", "zero2"), dict(options=nvme(nvme_dir))),
@@ -55,6 +61,7 @@ def parity_cases(nvme_dir: str) -> dict:
         "zero3_overlap": (("lm", "zero3"), dict(accumulate=2, probe=False,
                                                 options=dict(cpu, offload_params="cpu", **SMALL_UNITS))),
         "zero2_no_overlap": (("lm", "zero2"), dict(accumulate=2, probe=False, options=dict(cpu, overlap_step=False))),
+        "zero2_overlap_host_acc": (("lm", "zero2"), dict(accumulate=2, probe=False, options=dict(cpu, **HOST_ACC))),
         "fp16": (("lm", "zero2"), dict(plugin="16-mixed", inject=(2, 3), options=dict(initial_scale_power=8))),
         "fp16_cpu": (("lm", "zero2"), dict(plugin="16-mixed", inject=(2, 3),
                                            options=dict(cpu, initial_scale_power=8, offload_fraction=0.5))),

@@ -30,22 +30,27 @@ def world2(nvme_dir):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("run", ["auto", "zero1_cpu", "zero2_cpu", "zero2_half", "zero3_cpu", "zero3_opt_third",
-                                 "zero2_nvme", "zero3_nvme", "zero3_nvme_cpu"])
+                                 "zero2_nvme", "zero3_nvme", "zero3_nvme_cpu",
+                                 "zero2_host_acc", "zero3_host_acc", "zero2_nvme_host_acc"])
 def test_fp32_offload_matches_ddp(world2, run):
     # accumulation 2, global-norm clipping 0.5: every offload placement trains like DDP
     for results in world2:
         assert_parity(results[run], results["ddp"])
         assert results[run]["global_step"] == results["ddp"]["global_step"] > 0
+        # host accumulation: every window's earlier micro-batch was added on the host, none otherwise
+        assert (results[run]["host_adds"] > 0) == run.endswith("host_acc")
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("run", ["zero2_overlap", "zero2_overlap_half", "zero3_overlap", "zero2_no_overlap"])
+@pytest.mark.parametrize("run", ["zero2_overlap", "zero2_overlap_half", "zero3_overlap", "zero2_no_overlap",
+                                 "zero2_overlap_host_acc"])
 def test_host_step_during_backward_matches_ddp(world2, run):
     # no clipping and no hook before the step: offloaded units step on the worker while backward runs
     for results in world2:
         assert_parity(results[run], results["ddp_noclip"])
         overlapped = results[run]["stepped_in_backward"]
         assert (overlapped == 0) if run == "zero2_no_overlap" else (overlapped > 0)
+        assert (results[run]["host_adds"] > 0) == run.endswith("host_acc")
     for results in world2:  # with clipping (the LM cases) the host step waits for the window's end
         assert results["zero2_cpu"]["stepped_in_backward"] == 0
 

@@ -406,6 +406,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="Lightning precision (32-true, bf16-mixed, bf16-true, 16-mixed); "
                          "default bf16-mixed on GPU, 32-true on CPU")
     ap.add_argument("--ckpt", action="store_true", help="activation checkpointing per block")
+    ap.add_argument("--accumulate", type=int, default=1,
+                    help="micro-batches per optimizer step (--warmup/--steps count optimizer steps)")
     ap.add_argument("--devices", type=int, default=1, help="ranks on this host (tokens/s counts all of them)")
     ap.add_argument("--accelerator", default="gpu", help="gpu | cpu (cpu ranks talk over gloo)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads per rank on CPU (0: cpus / devices)")
@@ -445,7 +447,7 @@ def main(argv=None) -> int:
         threads = torch.get_num_threads()
     n_total, n_flop = param_counts(a.vocab, a.seq, a.layers, a.d_model)
     rec = {"tag": a.tag, "strategy": a.strategy, "layers": a.layers, "d_model": a.d_model, "heads": a.heads,
-           "seq": a.seq, "vocab": a.vocab, "micro_batch": a.batch, "precision": a.precision, "ckpt": a.ckpt,
+           "seq": a.seq, "vocab": a.vocab, "micro_batch": a.batch, "accumulate": a.accumulate, "precision": a.precision, "ckpt": a.ckpt,
            "devices": a.devices, "accelerator": a.accelerator, "warmup": a.warmup, "steps": a.steps,
            "params": n_total, "params_b": round(n_total / 1e9, 3), "params_flop": n_flop,
            "pin_memory": a.pin_memory, "gpu_mem_cap_gib": a.gpu_mem_cap_gb, "zero_overrides": a.zero,
@@ -459,7 +461,8 @@ def main(argv=None) -> int:
         rec["mem_fraction"] = round(frac, 4)
 
     module = BenchModule(a)
-    timer = StepTimer(a.warmup, a.steps)
+    acc = a.accumulate
+    timer = StepTimer(a.warmup * acc, a.steps * acc)  # times micro-batches; grouped into steps below
     state = {"done": False}
 
     def finish(status: str, error: str | None = None, trainer=None) -> int:
@@ -470,7 +473,7 @@ def main(argv=None) -> int:
         world = trainer.world_size if trainer is not None else a.devices
         rank = global_rank(trainer)
         rec["world_size"] = world
-        if status == "ok" and len(timer.step_times) < a.steps:
+        if status == "ok" and len(timer.step_times) < a.steps * acc:
             rec["status"], rec["error"] = "fail", f"only {len(timer.step_times)} timed steps completed"
         rec["wall_s"] = round(time.perf_counter() - t_launch, 1)
         rec["optimizer"] = module.optimizer_name
@@ -480,9 +483,10 @@ def main(argv=None) -> int:
             rec["offload_stepped_in_backward"] = engine.offloader.stepped_in_backward
             rec["offload_seconds"] = {k: round(v, 3) for k, v in engine.offloader.seconds.items()}
         rec["params_counted"] = module.params_counted
-        times = timer.step_times[: a.steps]
+        micro = timer.step_times[: a.steps * acc]
+        times = [sum(micro[i:i + acc]) for i in range(0, len(micro) - acc + 1, acc)]  # optimizer steps
         if times:
-            tokens_per_step = a.batch * a.seq * world
+            tokens_per_step = a.batch * a.seq * world * acc
             total = sum(times)
             tps = tokens_per_step * len(times) / total
             tflops = tps * flops_per_token(n_flop, a.layers, a.d_model, a.seq) / 1e12
@@ -535,9 +539,10 @@ def main(argv=None) -> int:
         rec.update(extra)
         trainer = pl.Trainer(accelerator=a.accelerator, devices=a.devices, num_nodes=1, strategy=strategy,
                              precision=a.precision, max_steps=a.warmup + a.steps, logger=False,
+                             accumulate_grad_batches=acc,
                              enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                              num_sanity_val_steps=0, use_distributed_sampler=False, callbacks=[timer])
-        data = SyntheticTokens(a.vocab, a.seq, (a.warmup + a.steps + 2) * a.batch)
+        data = SyntheticTokens(a.vocab, a.seq, (a.warmup + a.steps + 2) * a.batch * acc)
         loader = torch.utils.data.DataLoader(data, batch_size=a.batch, shuffle=False, num_workers=0, drop_last=True)
         trainer.fit(module, train_dataloaders=loader)
     except BaseException as e:  # noqa: BLE001  (OOMs, missing strategies, ... are recorded)

@@ -10,7 +10,10 @@ move is :func:`lightning_zero.partition.plan_offload` of ``offload_fraction``, b
 [Note: the pipeline]
 - backward: each unit's reduce-scatter output is copied device→host on a side stream as soon
   as it is reduced, while backward goes on. Micro-batches before the last of an accumulation
-  window add into a device accumulator instead, so the slow link is crossed once per step.
+  window add into a device accumulator instead, so the slow link is crossed once per step
+  (``offload_accumulation="device"``). With ``"host"`` every micro-batch's chunk goes down into
+  one of two pinned staging slots and a worker thread adds it into the host gradient while
+  the GPU runs on: no GPU memory for the offloaded gradients, PCIe crossed once per micro-batch.
 - step: the device part is stepped first (its kernels are queued and run on the GPU), then the
   host steps its units chunk by chunk; after each chunk its new values are queued for the
   device (pinned, asynchronous) and all-gathered, while the CPU already steps the next chunk.
@@ -78,6 +81,9 @@ class Offloader:
         self.up_stream = torch.cuda.Stream(device) if self.cuda else None  # host->device during backward
         self._copies: list[Any] = []  # events of device->host gradient copies not yet waited for
         self._accum: dict[int, torch.Tensor] = {}  # device accumulators of the window's earlier micro-batches
+        self.host_accumulation = config.offload_accumulation == "host"
+        self._adder: Optional[_HostAdder] = None  # created at the first host accumulation
+        self._announced: set[int] = set()  # units handed to the overlap this window (once each)
         self.store: Optional[NvmeStore] = None
         self.overlap: Optional[_Overlap] = None  # set by enable_overlap when the step may start in backward
         self.stepped_in_backward = 0  # units stepped while backward ran (diagnostics, tests)
@@ -92,6 +98,11 @@ class Offloader:
             self._move_masters()
         if not nvme_params:
             self._place_param_shards(pin)
+
+    @property
+    def host_adds(self) -> int:
+        """Gradient chunks added on the host so far (``offload_accumulation="host"``)."""
+        return self._adder.added if self._adder is not None else 0
 
     @property
     def offloaded_numel(self) -> int:
@@ -148,21 +159,29 @@ class Offloader:
         if k not in self.indices:
             unit.add_to_grad_shard(reduced)
             return
-        if not final:
+        if not final and not self.host_accumulation:
             acc = self._accum.get(k)
             self._accum[k] = reduced.float() if acc is None else acc.add_(reduced)
             return
         acc = self._accum.pop(k, None)
         if acc is not None:
             reduced = acc.add_(reduced)
-        if unit.grad_shard is None:
+        if unit.grad_shard is None:  # the window's first chunk for this unit lands in place
+            self._announced.discard(k)
             unit.grad_shard = self.grads.views[self._position[unit.index]]
             event = self._to_host(unit.grad_shard, reduced)
-            if self.overlap is not None:
-                self.overlap.ready(unit, event)
+        elif self.host_accumulation:
+            if self._adder is None:
+                self._adder = _HostAdder(max(u.layout.shard_numel for u in self.units), self.grads.pinned,
+                                         self.copy_stream, self.seconds)
+            event = self._adder.add(unit.grad_shard, reduced)
         else:  # a second reduction in the same window (late gradients): rare, so plainly synchronous
             self.wait_copies()
             unit.grad_shard.add_(reduced.to("cpu", torch.float32))
+            return
+        if final and self.overlap is not None and k not in self._announced:
+            self._announced.add(k)
+            self.overlap.ready(unit, event)
 
     def _to_host(self, host: torch.Tensor, reduced: torch.Tensor) -> Any:
         if self.copy_stream is None or reduced.device.type != "cuda":
@@ -183,6 +202,8 @@ class Offloader:
         for event in self._copies:
             event.synchronize()
         self._copies.clear()
+        if self._adder is not None:
+            self._adder.wait()
 
     # ---- the step -------------------------------------------------------------------------
     def step(self, optimizer: torch.optim.Optimizer, inner: Callable[[], Any],
@@ -228,6 +249,9 @@ class Offloader:
 
     def close(self) -> None:
         self.disable_overlap()
+        if self._adder is not None:
+            self._adder.close()
+            self._adder = None
         if self.store is not None:
             self.store.close()
 
@@ -248,6 +272,75 @@ class Offloader:
         finally:
             for group, value in flipped:
                 group["fused"] = value
+
+
+class _HostAdder:
+    """Adds reduced gradient chunks into host gradients on a worker thread (``offload_accumulation="host"``).
+
+    Each chunk is copied device->host on the copy stream into one of two pinned staging slots; the
+    worker waits for that copy and adds the slot into the target, so the Python thread that queues
+    backward never waits for the link or the CPU. A slot is reused only after its last add finished.
+    """
+
+    SLOTS = 2
+
+    def __init__(self, largest: int, pin: bool, stream: Any, seconds: dict[str, float]) -> None:
+        self.staging = HostArena([largest] * self.SLOTS, torch.float32, pin)
+        self.stream = stream
+        self.seconds = seconds
+        self.seconds.setdefault("host_accumulate", 0.0)
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lz-host-accumulate")
+        self.busy: list[Optional[Future]] = [None] * self.SLOTS
+        self.pending: list[Future] = []
+        self.next = 0
+        self.added = 0  # chunks added (diagnostics, tests)
+
+    def add(self, target: torch.Tensor, reduced: torch.Tensor) -> _Pending:
+        i, self.next = self.next, (self.next + 1) % self.SLOTS
+        if self.busy[i] is not None:
+            self.busy[i].result()
+        slot = self.staging.views[i][:reduced.numel()]
+        event = None
+        if self.stream is not None and reduced.device.type == "cuda":
+            self.stream.wait_stream(torch.cuda.current_stream(reduced.device))
+            with torch.cuda.stream(self.stream), record_function("zero/offload_grad_to_host"):
+                slot.copy_(reduced, non_blocking=self.staging.pinned)
+                reduced.record_stream(self.stream)  # the allocator must not reuse it before the copy ran
+                event = torch.cuda.Event()
+                event.record(self.stream)
+        else:
+            slot.copy_(reduced)  # the reducer may reuse ``reduced`` once this returns
+        future = self.pool.submit(self._add, target, slot, event)
+        self.added += 1
+        self.busy[i] = future
+        self.pending.append(future)
+        return _Pending(future)
+
+    def _add(self, target: torch.Tensor, slot: torch.Tensor, event: Any) -> None:
+        if event is not None:
+            event.synchronize()
+        start = time.perf_counter()
+        with torch.no_grad(), record_function("zero/host_accumulate"):
+            target.add_(slot)
+        self.seconds["host_accumulate"] += time.perf_counter() - start
+
+    def wait(self) -> None:
+        pending, self.pending = self.pending, []
+        for future in pending:
+            future.result()
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+
+
+class _Pending:
+    """A queued host add, waited for like a CUDA event (the overlap steps a unit only after it)."""
+
+    def __init__(self, future: Future) -> None:
+        self.future = future
+
+    def synchronize(self) -> None:
+        self.future.result()
 
 
 class _Overlap:
