@@ -171,9 +171,12 @@ def plan(num_params: int, hw: Hardware, **kwargs: object) -> list[Placement]:
         rows.append(estimate(num_params, config, hw, **kwargs))
         if config is not None and config.offloads and int(kwargs.get("accumulate", 1)) > 1:
             rows.append(estimate(num_params, config.replace(offload_accumulation="host"), hw, **kwargs))
-    partial = recommend_partial(num_params, hw, **kwargs)
-    if partial is not None:
-        rows.insert(4, partial)
+    partials = [row for row in (recommend_partial(num_params, hw, stage=s, **kwargs) for s in (2, 3)) if row]
+    if partials:
+        best = partials[0]  # stage 2 when it fits: no gathers, the least traffic
+        for row in partials:
+            row.name += " (recommended partial)" if row is best else " (partial)"
+        rows[4:4] = partials
     return rows
 
 
@@ -185,29 +188,27 @@ def _with_accumulation(config: ZeroConfig, kwargs: dict) -> list[ZeroConfig]:
     return [config]
 
 
-def recommend_partial(num_params: int, hw: Hardware, **kwargs: object) -> Optional[Placement]:
-    """zero2 with the smallest offload fraction (steps of 5%) that fits, when zero2 itself does not; at each
-    fraction the device accumulator is tried before host accumulation."""
+def recommend_partial(num_params: int, hw: Hardware, stage: int = 2, **kwargs: object) -> Optional[Placement]:
+    """``stage`` with the smallest offload fraction (steps of 5%) that fits, when zero2 without offload does
+    not; at each fraction the device accumulator is tried before host accumulation. (Stage 3 keeps no 16-bit
+    copy of the units it does not offload: the gathers cast their fp32 masters, so it fits more.)"""
     if estimate(num_params, ZeroConfig(stage=2), hw, **kwargs).fits:
         return None
     for percent in range(5, 100, 5):
-        for config in _with_accumulation(ZeroConfig(stage=2, offload_optimizer="cpu", offload_fraction=percent / 100),
-                                         kwargs):
+        for config in _with_accumulation(
+                ZeroConfig(stage=stage, offload_optimizer="cpu", offload_fraction=percent / 100), kwargs):
             row = estimate(num_params, config, hw, **kwargs)
             if row.fits:
-                row.name += " (recommended partial)"
                 return row
     return None
 
 
 def choose(num_params: int, hw: Hardware, base: ZeroConfig, **kwargs: object) -> Placement:
-    """The first placement that fits, in the order of least traffic: stages without offload, then zero2 with
-    the smallest partial offload that fits, full CPU offload, stage 3 with parameters on the CPU, NVMe (each
+    """The first placement that fits, in the order of least traffic: stages without offload, then zero2 and
+    zero3 with the smallest partial offload that fits, full CPU offload, stage 3 with parameters on the CPU, NVMe (each
     offload with a device accumulator before host accumulation)."""
     options = [ZeroConfig(stage=s) for s in (2, 3)]
-    partial = recommend_partial(num_params, hw, **kwargs)
-    if partial is not None:
-        options.append(partial.config)
+    options += [row.config for row in (recommend_partial(num_params, hw, stage=s, **kwargs) for s in (2, 3)) if row]
     options += [ZeroConfig(stage=2, offload_optimizer="cpu"),
                 ZeroConfig(stage=3, offload_optimizer="cpu", offload_params="cpu")]
     if hw.nvme_bytes:

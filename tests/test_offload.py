@@ -226,3 +226,25 @@ def test_auto_placement_picks_in_order_of_traffic_and_explains():
     with pytest.raises(ValueError) as err:
         choose(70_000_000_000, Hardware(gpu_bytes=int(24 * GiB), host_bytes=int(64 * GiB)), base)
     assert "No placement fits" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_accumulation_places_the_offloaded_gradients_where_they_fit():
+    from lightning_zero.planner import GiB, Hardware, choose, estimate
+
+    hw, n = Hardware(gpu_bytes=int(139 * GiB), host_bytes=int(125 * GiB)), 13_000_000_000
+    half = ZeroConfig(stage=3, offload_optimizer="cpu", offload_fraction=0.5)
+    host = half.replace(offload_accumulation="host")
+    one, dev, on_host = (estimate(n, c, hw, accumulate=a, largest_unit=300_000_000)
+                         for c, a in ((half, 1), (half, 8), (host, 8)))
+    # the device accumulator holds the offloaded half of the gradients in fp32; host accumulation moves it
+    # to the host side as two staging slots of the largest unit, and crosses PCIe once per micro-batch
+    assert dev.gpu_state - one.gpu_state == 4 * n // 2
+    assert on_host.gpu_state == one.gpu_state and on_host.host - one.host == 2 * 4 * 300_000_000
+    assert on_host.seconds["PCIe"] > dev.seconds["PCIe"]
+    # 13B on one H200 with accumulation fits only without the device accumulator: zero_auto says so
+    chosen = choose(n, hw, ZeroConfig(auto_placement=True), activations=int(12 * GiB), accumulate=8)
+    assert chosen.config.offload_accumulation == "host" and "host acc." in chosen.why
+    without = choose(n, hw, ZeroConfig(auto_placement=True), activations=int(12 * GiB), accumulate=1)
+    assert without.config.offload_accumulation == "device"
+    with pytest.raises(ZeroConfigError, match="offload_accumulation"):
+        ZeroConfig(offload_accumulation="gpu")

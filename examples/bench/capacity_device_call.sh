@@ -5,11 +5,11 @@
 # micro-batch gradients of the offloaded share added on the host (no device accumulator), activation
 # checkpointing, accumulation. Falls back to 6.7B when 13B fails. Results in $OUT/results.jsonl.
 # Shape and schedule from the environment: L D H (layers, d_model, heads), MB ACC FRAC STEPS RUN_T ACT ACCEL.
-export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
+export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 PYTHONPATH=$PWD PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 free -g | head -2; command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-L=${L:-40} D=${D:-5120} H=${H:-40} MB=${MB:-4} ACC=${ACC:-8} FRAC=${FRAC:-0.5}
+L=${L:-40} D=${D:-5120} H=${H:-40} MB=${MB:-6} ACC=${ACC:-6} FRAC=${FRAC:-0.55}
 N=$(python3 -c "import sys; sys.path.insert(0, 'examples/bench'); from gpt_bench import param_counts; print(param_counts(32000, 2048, $L, $D)[0])")
-python3 -m lightning_zero.estimate --params "$N" --batch "$MB" --seq 2048 --accumulate "$ACC" --activations "${ACT:-12}" \
+python3 -m lightning_zero.estimate --params "$N" --batch "$MB" --seq 2048 --accumulate "$ACC" --activations "${ACT:-15}" \
   --host-mem 125 --gpu-mem 139 | tee "$OUT/estimate.txt"
 run() {  # layers d_model heads offload_fraction tag
   timeout "${RUN_T:-420}" python3 examples/bench/gpt_bench.py --accelerator "${ACCEL:-gpu}" --strategy zero3 \
