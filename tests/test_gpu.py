@@ -127,7 +127,8 @@ def test_engine_api_under_torchrun_on_the_gpu(tmp_path):
     tests = Path(__file__).parent
     out = tmp_path / "engine.pt"
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1",
-                          str(tests / "engine_gpu_job.py"), str(out)], env=job_env(PYTHONPATH=str(tests)),
+                          str(tests / "engine_gpu_job.py"), str(out)], env=job_env(PYTHONPATH=os.pathsep.join(
+                             [str(tests), str(tests.parent), os.environ.get("PYTHONPATH", "")])),
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
     results = torch.load(out, weights_only=False)
