@@ -7,8 +7,10 @@
 Prints one row per configuration (DDP, zero1/2/3, each offload, the recommended partial placement):
 per-rank GPU memory for model states and in total, host memory, NVMe, the memory left for
 activations and the expected bottleneck. With ``model=NAME`` (a Hydra ``conf/model`` entry) the
-parameters are counted on the meta device and activations estimated as 34·seq·batch·d_model
-bytes a layer (16-bit, fused attention, no recomputation).
+parameters are counted on the meta device and, on a machine with a GPU, the activations of one
+micro-batch are measured in a probe step (depth 1 and 2 on the GPU, extrapolated; see
+lightning_zero.probe; ``--checkpointing Block`` as the strategy would); without a GPU they are
+estimated as 34·seq·batch·d_model bytes a layer (16-bit, fused attention, no recomputation).
 """
 
 from __future__ import annotations
@@ -20,8 +22,8 @@ from typing import Optional
 from .planner import GiB, Hardware, Placement, plan
 
 
-def count_model(name: str, overrides: list[str]) -> tuple[int, dict]:
-    """Parameters of a ``conf/model`` entry (built on the meta device) and its shape fields."""
+def build_model(name: str, overrides: list[str], device: str = "meta", n_layer: Optional[int] = None):
+    """A ``conf/model`` entry's LightningModule, built on ``device`` (``n_layer``: another depth)."""
     import torch
     from hydra import compose, initialize_config_dir
     from hydra.utils import instantiate
@@ -29,14 +31,41 @@ def count_model(name: str, overrides: list[str]) -> tuple[int, dict]:
     from .train import CONF_DIR, register_schema
 
     register_schema()
+    depth = [] if n_layer is None else [f"model.n_layer={n_layer}"]
     with initialize_config_dir(str(CONF_DIR), version_base=None):
-        cfg = compose("config", overrides=[f"model={name}", *overrides])
-    with torch.device("meta"):
+        cfg = compose("config", overrides=[f"model={name}", *overrides, *depth])
+    with torch.device(device):
         module = instantiate(cfg.model, vocab_size=int(cfg.model.get("vocab_size", 0) or 32000))
         if getattr(module, "model", None) is None and hasattr(module, "configure_model"):
             module.configure_model()
+    return module, cfg.model
+
+
+def count_model(name: str, overrides: list[str]) -> tuple[int, dict]:
+    """Parameters of a ``conf/model`` entry (built on the meta device) and its shape fields."""
+    module, cfg = build_model(name, overrides)
     numel = sum(p.numel() for p in module.parameters())
-    return numel, {k: cfg.model[k] for k in ("n_layer", "d_model") if k in cfg.model}
+    return numel, {k: cfg[k] for k in ("n_layer", "d_model", "vocab_size", "seq_len") if k in cfg}
+
+
+def probe_model(name: str, overrides: list[str], shape: dict, batch: int, seq: int, precision: str,
+                checkpointing: tuple[str, ...]):
+    """Activations of ``model=NAME`` measured on this machine's GPU (see lightning_zero.probe)."""
+    import torch
+    import torch.nn.functional as F
+
+    from .probe import probe_activations
+
+    vocab = int(shape.get("vocab_size") or 32000)
+    tokens = torch.randint(0, vocab, (batch, seq + 1), device="cuda")
+
+    def step(module):
+        logits = module(tokens[:, :-1])
+        return F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+
+    dtype = {"bf16": torch.bfloat16, "16": torch.float16}.get(precision.split("-")[0], torch.float32)
+    return probe_activations(lambda depth: build_model(name, overrides, "cpu", depth)[0], int(shape["n_layer"]),
+                             step, torch.device("cuda", torch.cuda.current_device()), dtype, checkpointing)
 
 
 def table(rows: list[Placement], hw: Hardware) -> str:
@@ -71,6 +100,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--accumulate", type=int, default=1,
                     help="micro-batches per optimizer step (offload: also rows with host accumulation)")
     ap.add_argument("--activations", type=float, help="GiB of activations per micro-batch (overrides the estimate)")
+    ap.add_argument("--checkpointing", nargs="*", default=[], metavar="CLASS",
+                    help="model=NAME: module classes under activation checkpointing in the probe (e.g. Block)")
+    ap.add_argument("--no-probe", action="store_true",
+                    help="model=NAME on a GPU machine: skip the probe step, use the formula")
     args = ap.parse_args(flags)
     if (args.params is None) == (model is None):
         ap.error("give exactly one of --params N or model=NAME")
@@ -80,10 +113,18 @@ def main(argv: Optional[list[str]] = None) -> int:
     else:
         numel = int(args.params)
     p = 4 if args.precision.startswith("32") else 2
+    how = "given"
     if args.activations is not None:
         act = int(args.activations * GiB)
+    elif shape and _has_cuda() and not args.no_probe:
+        if args.seq > int(shape.get("seq_len") or args.seq):
+            ap.error(f"--seq {args.seq} is longer than the model's seq_len={shape['seq_len']}: pass "
+                     f"model.seq_len={args.seq} too")
+        probe = probe_model(model, overrides, shape, args.batch, args.seq, args.precision, tuple(args.checkpointing))
+        act, how = probe.total, probe.describe()
     elif shape:
         act = 34 * args.seq * args.batch * shape["d_model"] * shape["n_layer"] * p // 2
+        how = "estimated as 34·seq·batch·d_model bytes a layer (no GPU here for a probe step)"
     else:
         act = 0
     hw = Hardware(gpus_per_node=args.gpus_per_node, nodes=args.nodes, gpu_bytes=int(args.gpu_mem * GiB),
@@ -94,8 +135,16 @@ def main(argv: Optional[list[str]] = None) -> int:
                 accumulate=args.accumulate)
     print(f"{numel:,} parameters ({numel / 1e9:.2f}B), {args.precision}, activations {act / GiB:.1f} GiB per GPU, "
           f"{args.accumulate} micro-batch(es) a step")
+    if how != "given" and shape:
+        print(how)
     print(table(rows, hw))
     return 0
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 if __name__ == "__main__":

@@ -248,3 +248,11 @@ def test_accumulation_places_the_offloaded_gradients_where_they_fit():
     assert without.config.offload_accumulation == "device"
     with pytest.raises(ZeroConfigError, match="offload_accumulation"):
         ZeroConfig(offload_accumulation="gpu")
+
+
+def test_activation_probe_without_a_gpu_is_a_clear_error():
+    from lightning_zero.probe import probe_activations
+
+    with pytest.raises(ValueError, match="needs a GPU.*--activations"):
+        probe_activations(lambda depth: torch.nn.Linear(4, 4), 2, lambda m: m(torch.ones(1, 4)).sum(),
+                          torch.device("cpu"))

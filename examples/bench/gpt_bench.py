@@ -336,6 +336,55 @@ def registered_strategies() -> list[str]:
     return sorted(StrategyRegistry.available_strategies())
 
 
+# ------------------------------------------------------------------------------------- planning
+def zero_config_of(a: argparse.Namespace):
+    """The ZeroConfig the run will use (a registered preset or --zero overrides), or None for other strategies."""
+    lz = lightning_zero_module()
+    if lz is None:
+        return None
+    overrides = parse_zero_overrides(a.zero)
+    if overrides:
+        return build_zero_strategy(a.strategy, overrides)[0].config
+    from lightning_zero.strategy import PRESETS
+
+    m = re.fullmatch(r"zero([123])", a.strategy)
+    if m:
+        return lz.ZeroConfig(stage=int(m.group(1)))
+    return {name: config for name, _, config in PRESETS}.get(a.strategy)
+
+
+def plan_record(a: argparse.Namespace, n_total: int) -> dict:
+    """lightning_zero's plan for this run: activations probed on this GPU, then the planner's bytes."""
+    config = zero_config_of(a)
+    if config is None:
+        return {}
+    from lightning_zero.planner import GiB, Hardware, estimate
+    from lightning_zero.probe import probe_activations
+
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, a.vocab, (a.batch, a.seq + 1), generator=gen).cuda()
+
+    def step(model: nn.Module) -> torch.Tensor:
+        logits = model(tokens[:, :-1])
+        return F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+
+    probe = probe_activations(lambda depth: GPT(a.vocab, a.seq, depth, a.d_model, a.heads, ckpt=a.ckpt),
+                              a.layers, step, torch.device("cuda", torch.cuda.current_device()))
+    total_gpu = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    if a.gpu_mem_cap_gb > 0:
+        total_gpu = int(a.gpu_mem_cap_gb * GiB)
+    largest = 12 * a.d_model * a.d_model + 4 * a.d_model  # one block: the engine's stage-3 group
+    row = estimate(n_total, config, Hardware(gpu_bytes=total_gpu), activations=probe.total,
+                   accumulate=a.accumulate, largest_unit=largest)
+    print(f"PLAN {probe.describe()}; {row.name}: GPU {row.gpu_total / GiB:.1f} GiB "
+          f"(states {row.gpu_state / GiB:.1f}), host {row.host / GiB:.1f} GiB, fits={row.fits}", flush=True)
+    return {"plan_name": row.name, "plan_activations_gib": round(probe.total / GiB, 2),
+            "plan_activation_per_layer_gib": round(probe.per_layer / GiB, 3),
+            "plan_gpu_states_gib": round(row.gpu_state / GiB, 2),
+            "plan_gpu_total_gib": round(row.gpu_total / GiB, 2), "plan_host_gib": round(row.host / GiB, 2),
+            "plan_fits": row.fits}
+
+
 # ------------------------------------------------------------------------------------- helpers
 def git_commit() -> str | None:
     try:
@@ -420,6 +469,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--pin-memory", action="store_true", help="DeepSpeed offload with pin_memory=True")
     ap.add_argument("--gpu-mem-cap-gb", type=float, default=0.0,
                     help="cap the caching allocator to this many GiB (set_per_process_memory_fraction)")
+    ap.add_argument("--plan", action="store_true",
+                    help="zero strategies on a GPU: probe this model's activations (depth 1 and 2, same micro-batch) and "
+                         "record lightning_zero's planned GPU / host peaks beside the measured ones")
     ap.add_argument("--tag", default="")
     ap.add_argument("--no-fast-exit", dest="fast_exit", action="store_false",
                     help="run Lightning's teardown instead of os._exit right after the measurement")
@@ -459,6 +511,12 @@ def main(argv=None) -> int:
         frac = min(1.0, a.gpu_mem_cap_gb * GIB / torch.cuda.get_device_properties(local).total_memory)
         torch.cuda.set_per_process_memory_fraction(frac, local)
         rec["mem_fraction"] = round(frac, 4)
+
+    if a.plan and on_gpu:
+        try:
+            rec.update(plan_record(a, n_total))
+        except Exception as e:  # noqa: BLE001  (the run itself still goes on)
+            rec["plan_error"] = f"{type(e).__name__}: {str(e)[:300]}"
 
     module = BenchModule(a)
     acc = a.accumulate
