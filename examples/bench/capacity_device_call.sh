@@ -14,7 +14,7 @@ python3 -m lightning_zero.estimate --params "$N" --batch "$MB" --seq 2048 --accu
 run() {  # layers d_model heads offload_fraction tag
   timeout "${RUN_T:-420}" python3 examples/bench/gpt_bench.py --accelerator "${ACCEL:-gpu}" --strategy zero3 \
     --layers "$1" --d-model "$2" --heads "$3" --seq "${SEQ:-2048}" --batch "$MB" --accumulate "$ACC" --ckpt \
-    --warmup 1 --steps "${STEPS:-2}" --tag "$5" \
+    --warmup 1 --steps "${STEPS:-2}" --tag "$5" --plan \
     --zero offload_optimizer=cpu offload_fraction="$4" offload_accumulation=host > "$OUT/run_$5.log" 2>&1 &
   local pid=$! peak=0 used rc
   while kill -0 "$pid" 2>/dev/null; do  # the machine's used host memory, sampled (ru_maxrss misses pinned pages)
