@@ -4,9 +4,10 @@ A formula for activations misses what the kernels really keep (fused attention o
 logits of the loss, recomputation's working set), and counting saved tensors on the meta device
 takes other kernel paths than the GPU (meta attention saves the T x T matrix). So the planner's
 activation figure comes from running forward and backward of the model at depth 1 and depth 2 on
-the device it will train on, with the real micro-batch, dtype and checkpointing, and reading the
-allocator's peak: the difference is one layer, the rest is what every depth has (embeddings,
-logits, loss). Depth L is then ``base + L * per_layer``. Gradients are dropped as soon as they are
+the device it will train on, with the real micro-batch, dtype and checkpointing: what depth 2
+keeps from forward to backward beyond depth 1 is one layer, and depth 1's allocator peak is the
+rest (embeddings, logits, the loss, one layer's backward or recomputation). Depth L is then
+``base + L * per_layer``. Gradients are dropped as soon as they are
 produced, as the engine's reducer does, so they do not count as activations.
 """
 
@@ -54,13 +55,16 @@ def probe_activations(build: Callable[[int], nn.Module], layers: int, step: Call
     if device.type != "cuda":
         raise ValueError(f"the activation probe reads the CUDA allocator's peak and needs a GPU, not {device}: "
                          f"pass --activations GiB instead (or run it where the model will train)")
-    one, two = (_peak(build(depth), step, device, dtype, checkpointing) for depth in (1, 2))
-    per_layer = max(0, two - one)
-    return ActivationProbe(base=one - per_layer, per_layer=per_layer, layers=layers, device=str(device))
+    (peak1, kept1), (_, kept2) = (_peak(build(depth), step, device, dtype, checkpointing) for depth in (1, 2))
+    # a layer costs what it keeps for backward (read after forward); the peaks themselves can differ by less
+    # when they fall in different phases (the loss's transient at depth 1, a block's backward deeper)
+    per_layer = max(0, kept2 - kept1)
+    return ActivationProbe(base=peak1 - per_layer, per_layer=per_layer, layers=layers, device=str(device))
 
 
 def _peak(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], device: torch.device, dtype: torch.dtype,
-          checkpointing: tuple[str, ...]) -> int:
+          checkpointing: tuple[str, ...]) -> tuple[int, int]:
+    """(peak bytes of forward + backward, bytes kept from forward to backward), both above the model."""
     from .engine.activation import apply_activation_checkpointing
 
     model = model.to(device=device, dtype=dtype)
@@ -74,9 +78,10 @@ def _peak(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], device: t
         torch.cuda.reset_peak_memory_stats(device)
         with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
             loss = step(model)
+        kept = torch.cuda.memory_allocated(device) - before
         loss.backward()
         torch.cuda.synchronize(device)
-        return torch.cuda.max_memory_allocated(device) - before
+        return torch.cuda.max_memory_allocated(device) - before, kept
     finally:
         for hook in hooks:
             hook.remove()
