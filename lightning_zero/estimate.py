@@ -123,8 +123,13 @@ def main(argv: Optional[list[str]] = None) -> int:
         probe = probe_model(model, overrides, shape, args.batch, args.seq, args.precision, tuple(args.checkpointing))
         act, how = probe.total, probe.describe()
     elif shape:
-        act = 34 * args.seq * args.batch * shape["d_model"] * shape["n_layer"] * p // 2
-        how = "estimated as 34·seq·batch·d_model bytes a layer (no GPU here for a probe step)"
+        layer = 34 * args.seq * args.batch * shape["d_model"] * p // 2  # what one layer keeps for backward
+        if args.checkpointing:  # each layer keeps its input; one layer's recomputation is alive at a time
+            act = shape["n_layer"] * args.seq * args.batch * shape["d_model"] * p + layer
+            how = "estimated as one layer input a layer + one recomputed layer (no GPU here for a probe step)"
+        else:
+            act = shape["n_layer"] * layer
+            how = "estimated as 34·seq·batch·d_model bytes a layer (no GPU here for a probe step)"
     else:
         act = 0
     hw = Hardware(gpus_per_node=args.gpus_per_node, nodes=args.nodes, gpu_bytes=int(args.gpu_mem * GiB),
