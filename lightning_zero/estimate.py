@@ -8,7 +8,7 @@ Prints one row per configuration (DDP, zero1/2/3, each offload, the recommended 
 per-rank GPU memory for model states and in total, host memory, NVMe, the memory left for
 activations and the expected bottleneck. With ``model=NAME`` (a Hydra ``conf/model`` entry) the
 parameters are counted on the meta device and, on a machine with a GPU, the activations of one
-micro-batch are measured in a probe step (depth 1 and 2 on the GPU, extrapolated; see
+micro-batch are measured in a probe step (depth 2 and 3 on the GPU, extrapolated; see
 lightning_zero.probe; ``--checkpointing Block`` as the strategy would); without a GPU they are
 estimated as 34·seq·batch·d_model bytes a layer (16-bit, fused attention, no recomputation).
 """

@@ -470,7 +470,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--gpu-mem-cap-gb", type=float, default=0.0,
                     help="cap the caching allocator to this many GiB (set_per_process_memory_fraction)")
     ap.add_argument("--plan", action="store_true",
-                    help="zero strategies on a GPU: probe this model's activations (depth 1 and 2, same micro-batch) and "
+                    help="zero strategies on a GPU: probe this model's activations (depth 2 and 3, same micro-batch) and "
                          "record lightning_zero's planned GPU / host peaks beside the measured ones")
     ap.add_argument("--tag", default="")
     ap.add_argument("--no-fast-exit", dest="fast_exit", action="store_false",

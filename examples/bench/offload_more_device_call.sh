@@ -10,7 +10,7 @@ timeout 150 python3 examples/bench/gpt_bench.py --strategy zero2 $M --warmup 2 -
   --zero offload_optimizer=cpu offload_fraction=0.5 > "$OUT/zero2_half.log" 2>&1 || echo "FAIL zero2_half"
 mkdir -p /tmp/lz_nvme
 timeout 260 python3 examples/bench/gpt_bench.py --strategy zero3 $M --warmup 1 --steps 2 --tag zero3_offload_nvme \
-  --zero offload_optimizer=nvme offload_params=nvme nvme_path=/tmp/lz_nvme > "$OUT/zero3_nvme.log" 2>&1 || echo "FAIL nvme"
+  --zero offload_optimizer=nvme offload_params=nvme nvme_path=/tmp/lz_nvme nvme_buffer_bytes=6e9 > "$OUT/zero3_nvme.log" 2>&1 || echo "FAIL nvme"
 ls /tmp/lz_nvme | head -3; echo "nvme files left: $(ls /tmp/lz_nvme | wc -l)"
 python3 - <<'PY'
 import json, os
