@@ -25,13 +25,4 @@ run() {  # layers d_model heads offload_fraction tag
   return "$rc"
 }
 run "$L" "$D" "$H" "$FRAC" capacity_13b || run "${L2:-32}" "${D2:-4096}" "${H2:-32}" "$FRAC" capacity_6_7b
-python3 - <<'PY'
-import json, os
-path = os.path.join(os.environ["OUT"], "results.jsonl")
-for line in (open(path) if os.path.exists(path) else []):
-    r = json.loads(line)
-    print(r.get("tag"), r.get("status"), "params", r.get("params_b"), "tok/s", r.get("tokens_per_s"), "mfu", r.get("mfu"),
-          "alloc", r.get("gpu_peak_alloc_gib"), "reserved", r.get("gpu_peak_reserved_gib"), "rss", r.get("host_peak_rss_gib"),
-          "steps", r.get("step_s_all"), "loss", r.get("loss_first"), r.get("loss_last"), r.get("offload_seconds"),
-          str(r.get("error", ""))[:300])
-PY
+python3 examples/bench/summary.py

@@ -18,11 +18,4 @@ for spec in ${RUNS:-zero2_offload zero3_offload deepspeed_stage_2_offload:pin de
   s=${spec%%:*}; extra=""; [ "${spec#*:}" = pin ] && extra="--pin-memory"
   timeout ${RUN_T:-120} python3 .anchor/bench.py --strategy $s $extra $M --tag "$spec" > $OUT/$s.log 2>&1 || echo "FAIL $spec"
 done
-python3 - <<'PY'
-import json, os
-p = os.path.join(os.environ["OUT"], "results.jsonl")
-for l in (open(p) if os.path.exists(p) else []):
-    r = json.loads(l)
-    print(f"{r.get('tag'):<34} {r.get('status')} tok/s {r.get('tokens_per_s')} mfu {r.get('mfu')} alloc {r.get('gpu_peak_alloc_gib')} "
-          f"host {r.get('host_peak_rss_gib')} med {r.get('step_s_median')} {str(r.get('error', ''))[:200]}")
-PY
+python3 examples/bench/summary.py

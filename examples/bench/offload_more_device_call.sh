@@ -12,12 +12,4 @@ mkdir -p /tmp/lz_nvme
 timeout 260 python3 examples/bench/gpt_bench.py --strategy zero3 $M --warmup 1 --steps 2 --tag zero3_offload_nvme \
   --zero offload_optimizer=nvme offload_params=nvme nvme_path=/tmp/lz_nvme nvme_buffer_bytes=6e9 > "$OUT/zero3_nvme.log" 2>&1 || echo "FAIL nvme"
 ls /tmp/lz_nvme | head -3; echo "nvme files left: $(ls /tmp/lz_nvme | wc -l)"
-python3 - <<'PY'
-import json, os
-path = os.path.join(os.environ["OUT"], "results.jsonl")
-for line in (open(path) if os.path.exists(path) else []):
-    r = json.loads(line)
-    print(r.get("tag"), r.get("status"), "tok/s", r.get("tokens_per_s"), "mfu", r.get("mfu"), "alloc", r.get("gpu_peak_alloc_gib"),
-          "plan", r.get("plan_gpu_total_gib"), "host", r.get("host_peak_rss_gib"), "plan", r.get("plan_host_gib"),
-          "steps", r.get("step_s_all"), r.get("offload_seconds"), str(r.get("error", ""))[:300])
-PY
+python3 examples/bench/summary.py
