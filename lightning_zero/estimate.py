@@ -52,17 +52,11 @@ def probe_model(name: str, overrides: list[str], shape: dict, batch: int, seq: i
                 checkpointing: tuple[str, ...]):
     """Activations of ``model=NAME`` measured on this machine's GPU (see lightning_zero.probe)."""
     import torch
-    import torch.nn.functional as F
 
-    from .probe import probe_activations
+    from .probe import next_token_step, probe_activations
 
     vocab = int(shape.get("vocab_size") or 32000)
-    tokens = torch.randint(0, vocab, (batch, seq + 1), device="cuda")
-
-    def step(module):
-        logits = module(tokens[:, :-1])
-        return F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
-
+    step = next_token_step(torch.randint(0, vocab, (batch, seq + 1), device="cuda"))
     dtype = {"bf16": torch.bfloat16, "16": torch.float16}.get(precision.split("-")[0], torch.float32)
     return probe_activations(lambda depth: build_model(name, overrides, "cpu", depth)[0], int(shape["n_layer"]),
                              step, torch.device("cuda", torch.cuda.current_device()), dtype, checkpointing)

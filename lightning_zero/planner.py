@@ -166,11 +166,8 @@ CANDIDATES = (
 def plan(num_params: int, hw: Hardware, **kwargs: object) -> list[Placement]:
     """Every candidate, plus the recommended partial placement, in the order of least traffic first. With
     ``accumulate`` > 1 each offload row also comes with host accumulation (no device accumulator)."""
-    rows = []
-    for config in CANDIDATES:
-        rows.append(estimate(num_params, config, hw, **kwargs))
-        if config is not None and config.offloads and int(kwargs.get("accumulate", 1)) > 1:
-            rows.append(estimate(num_params, config.replace(offload_accumulation="host"), hw, **kwargs))
+    rows = [estimate(num_params, config, hw, **kwargs)
+            for candidate in CANDIDATES for config in ([None] if candidate is None else _with_accumulation(candidate, kwargs))]
     partials = [row for row in (recommend_partial(num_params, hw, stage=s, **kwargs) for s in (2, 3)) if row]
     if partials:
         best = partials[0]  # stage 2 when it fits: no gathers, the least traffic

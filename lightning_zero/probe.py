@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-__all__ = ["ActivationProbe", "probe_activations"]
+__all__ = ["ActivationProbe", "probe_activations", "next_token_step"]
 
 
 @dataclass(frozen=True)
@@ -60,6 +60,17 @@ def probe_activations(build: Callable[[int], nn.Module], layers: int, step: Call
     # keeps less than the others (measured on the H200: 117 MB against 151 MB a layer from depth 2 on).
     per_layer = max(0, kept3 - kept2)
     return ActivationProbe(base=peak2 - 2 * per_layer, per_layer=per_layer, layers=layers, device=str(device))
+
+
+def next_token_step(tokens: torch.Tensor) -> Callable[[nn.Module], torch.Tensor]:
+    """A probe step for a language model: next-token cross entropy (in fp32, as training computes it) of
+    ``tokens`` (batch, seq + 1)."""
+
+    def step(model: nn.Module) -> torch.Tensor:
+        logits = model(tokens[:, :-1])
+        return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+
+    return step
 
 
 def _peak(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], device: torch.device, dtype: torch.dtype,

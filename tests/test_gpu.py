@@ -143,26 +143,18 @@ def test_activation_probe_predicts_the_peak_of_the_full_depth(checkpointing):
     import sys
     from pathlib import Path
 
-    import torch.nn.functional as F
-
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from examples.gpt import GPT
-    from lightning_zero.probe import probe_activations
+    from lightning_zero.probe import _peak, next_token_step, probe_activations
 
     torch.use_deterministic_algorithms(False)  # fused attention's backward
     device = torch.device("cuda")
-    tokens = torch.randint(0, 8192, (8, 1025), device=device)
-
-    def step(model):
-        logits = model(tokens[:, :-1])
-        return F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+    step = next_token_step(torch.randint(0, 8192, (8, 1025), device=device))
 
     def build(depth):
         torch.manual_seed(0)
         return GPT(8192, 1024, depth, 8, 512)
 
     probe = probe_activations(build, 8, step, device, torch.bfloat16, checkpointing)
-    from lightning_zero.probe import _peak
-
     measured, _ = _peak(build(8), step, device, torch.bfloat16, checkpointing)
     assert abs(probe.total - measured) <= 0.1 * measured, (probe, measured)

@@ -359,15 +359,10 @@ def plan_record(a: argparse.Namespace, n_total: int) -> dict:
     if config is None:
         return {}
     from lightning_zero.planner import GiB, Hardware, estimate
-    from lightning_zero.probe import probe_activations
+    from lightning_zero.probe import next_token_step, probe_activations
 
     gen = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, a.vocab, (a.batch, a.seq + 1), generator=gen).cuda()
-
-    def step(model: nn.Module) -> torch.Tensor:
-        logits = model(tokens[:, :-1])
-        return F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
-
+    step = next_token_step(torch.randint(0, a.vocab, (a.batch, a.seq + 1), generator=gen).cuda())
     probe = probe_activations(lambda depth: GPT(a.vocab, a.seq, depth, a.d_model, a.heads, ckpt=a.ckpt),
                               a.layers, step, torch.device("cuda", torch.cuda.current_device()))
     total_gpu = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory

@@ -184,17 +184,9 @@ class Offloader:
             self.overlap.ready(unit, event)
 
     def _to_host(self, host: torch.Tensor, reduced: torch.Tensor) -> Any:
-        if self.copy_stream is None or reduced.device.type != "cuda":
-            host.copy_(reduced)
-            return None
-        current = torch.cuda.current_stream(reduced.device)
-        self.copy_stream.wait_stream(current)
-        with torch.cuda.stream(self.copy_stream), record_function("zero/offload_grad_to_host"):
-            host.copy_(reduced, non_blocking=self.grads.pinned)
-            reduced.record_stream(self.copy_stream)  # the allocator must not reuse it before the copy ran
-            event = torch.cuda.Event()
-            event.record(self.copy_stream)
-        self._copies.append(event)
+        event = _copy_down(self.copy_stream, host, reduced, self.grads.pinned)
+        if event is not None:
+            self._copies.append(event)
         return event
 
     def wait_copies(self) -> None:
@@ -274,6 +266,21 @@ class Offloader:
                 group["fused"] = value
 
 
+def _copy_down(stream: Any, host: torch.Tensor, reduced: torch.Tensor, pinned: bool) -> Any:
+    """Copy a reduced chunk into host memory: queued on ``stream`` after the work that produced it (the CUDA
+    event to wait for is returned), or at once without CUDA (None)."""
+    if stream is None or reduced.device.type != "cuda":
+        host.copy_(reduced)
+        return None
+    stream.wait_stream(torch.cuda.current_stream(reduced.device))
+    with torch.cuda.stream(stream), record_function("zero/offload_grad_to_host"):
+        host.copy_(reduced, non_blocking=pinned)
+        reduced.record_stream(stream)  # the allocator must not reuse it before the copy ran
+        event = torch.cuda.Event()
+        event.record(stream)
+    return event
+
+
 class _HostAdder:
     """Adds reduced gradient chunks into host gradients on a worker thread (``offload_accumulation="host"``).
 
@@ -300,16 +307,7 @@ class _HostAdder:
         if self.busy[i] is not None:
             self.busy[i].result()
         slot = self.staging.views[i][:reduced.numel()]
-        event = None
-        if self.stream is not None and reduced.device.type == "cuda":
-            self.stream.wait_stream(torch.cuda.current_stream(reduced.device))
-            with torch.cuda.stream(self.stream), record_function("zero/offload_grad_to_host"):
-                slot.copy_(reduced, non_blocking=self.staging.pinned)
-                reduced.record_stream(self.stream)  # the allocator must not reuse it before the copy ran
-                event = torch.cuda.Event()
-                event.record(self.stream)
-        else:
-            slot.copy_(reduced)  # the reducer may reuse ``reduced`` once this returns
+        event = _copy_down(self.stream, slot, reduced, self.staging.pinned)  # the reducer may then reuse it
         future = self.pool.submit(self._add, target, slot, event)
         self.added += 1
         self.busy[i] = future
