@@ -47,6 +47,7 @@ from .elastic import attempt_store
 from .engine import ZeroEngine
 from .engine.materialize import RngState, has_meta
 from .engine.memory import MemoryReport, memory_report
+from .lightning_compat import lightning_optimizers
 from .engine.state import check_keys, full_model_state, full_optimizer_state, load_model_state, load_optimizer_state
 from .precision.plugin import ZeroPrecision
 from .summary import install_summary
@@ -132,6 +133,16 @@ class ZeroStrategy(ParallelStrategy):
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    @property
+    def optimizers(self) -> list[Any]:
+        return self._optimizers
+
+    @optimizers.setter
+    def optimizers(self, optimizers: list[Any]) -> None:
+        ParallelStrategy.optimizers.fset(self, optimizers)  # Lightning builds new wrappers here
+        if getattr(self, "engine", None) is not None:
+            self.engine.route_wrappers(lightning_optimizers(self))
 
     @property
     def restore_checkpoint_after_setup(self) -> bool:
@@ -238,7 +249,8 @@ class ZeroStrategy(ParallelStrategy):
             optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers] if fitting else []
             self.engine = ZeroEngine(self.lightning_module, optimizers, self.config, self.comm, self.root_device,
                                      self.precision_plugin.compute_dtype, init_rng=self._init_rng,
-                                     wrappers=self._lightning_optimizers if fitting else ())
+                                     wrappers=lightning_optimizers(self) if fitting else ())
+            self.engine.free_grads_at_step = fitting and _zero_grad_before_next_backward(self.lightning_module)
             self.precision_plugin.attach(self.engine, self.root_device.type)
             if self.engine.offloader is not None:
                 total = sum(u.layout.shard_numel for u in self.engine.units)
@@ -583,6 +595,14 @@ def _overlap_blocker(trainer: Any, strategy: ZeroStrategy) -> Optional[str]:
             if getattr(type(callback), name) is not getattr(pl.Callback, name):
                 return f"{type(callback).__name__}.{name}"
     return None
+
+
+def _zero_grad_before_next_backward(module: Any) -> bool:
+    """Lightning's automatic optimization with the stock ``optimizer_zero_grad`` clears the gradients
+    before any next backward: the engine may free them at the step (see [Note: when gradients are freed])."""
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+
+    return bool(module.automatic_optimization) and not is_overridden("optimizer_zero_grad", module)
 
 
 def _end_gather_group(engine: ZeroEngine) -> None:

@@ -35,7 +35,7 @@ from .groups import build_needs, group_lookup, group_modules, members_of, owner_
 from .guard import install_state_dict_guard
 from .materialize import RngState, check_no_meta_left, has_meta, materialize_module
 from .offload import Offloader
-from .optim import adopt, check_optimizer, pieces_in_groups, release, unwrap
+from .optim import Routes, check_optimizer, pieces_in_groups, unwrap
 from .readiness import ForwardOrder
 
 __all__ = ["ZeroEngine", "dtype_of"]
@@ -64,7 +64,8 @@ class ZeroEngine:
         device: where buffers live.
         compute_dtype: dtype of parameters and gradients in the module (fp32, bf16, fp16).
         init_rng: random state captured when a meta-device model was created (stage 3 init).
-        wrappers: objects that copied an optimizer's attributes (Lightning's LightningOptimizer).
+        wrappers: wrappers of the optimizers (Lightning's LightningOptimizer); later ones are
+            routed with :meth:`route_wrappers`.
     """
 
     def __init__(self, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer], config: ZeroConfig,
@@ -104,9 +105,13 @@ class ZeroEngine:
         self.reducer = GradientReducer(self.units, comm, policy, agree_order=self._agree_order,
                                        on_backward_end=self.gatherer.end_of_backward if self.gatherer else None,
                                        sink=self.offloader.take_reduced if self.offloader else None)
-        self._wrappers = {id(o): [w for w in wrappers if unwrap(w) is o] for o in self.optimizers}
+        # See [Note: when gradients are freed]; the Lightning strategy turns it on where it is exact.
+        self.free_grads_at_step = False
+        self.routes = Routes()
         for optimizer in self.optimizers:
-            adopt(optimizer, self.optimizer_step, self.zero_grad, self._wrappers[id(optimizer)])
+            self.routes.adopt(optimizer, self.optimizer_step, self.zero_grad)
+        self.route_wrappers(wrappers)
+        self.routes.route_module(module, self.zero_all_grads)
         self._guards = install_state_dict_guard(module, self.units) if config.shard_params else []
 
     # ---- construction -------------------------------------------------------------------------
@@ -252,7 +257,7 @@ class ZeroEngine:
                 if unit.state is UnitState.UNSHARDED:
                     unit.gather_source()  # this rank's chunk of the device buffer; the others come at the step
 
-        self.offloader.enable_overlap(optimizer, self.piece_of, lambda p: self._slot[id(p)][0], fully_used, publish_own)
+        self.offloader.enable_overlap(optimizer, self.routes.inner_step(optimizer), self.piece_of, lambda p: self._slot[id(p)][0], fully_used, publish_own)
         self.reducer.on_late = self.offloader.overlap.late_gradient if self.offloader.overlap is not None else None
 
     # ---- backward -------------------------------------------------------------------------------
@@ -393,18 +398,24 @@ class ZeroEngine:
         out = self.step(optimizer, **kwargs)
         return loss if loss is not None else out
 
+    # [Note: when gradients are freed]
+    # Under DDP a parameter's gradient lives from the backward that writes it until the owning
+    # optimizer's ``zero_grad()`` (or ``module.zero_grad()``) clears it: a step does not clear it, and
+    # every backward in between adds to it (a GAN's generator loss writes into the discriminator's
+    # gradients, which the discriminator's ``zero_grad()`` later drops). The engine keeps exactly that.
+    # Kept from a step to the next ``zero_grad``, the fp32 gradient shard would sit through the next
+    # forward, so where nothing can read or add to it in between, ``free_grads_at_step`` frees it at
+    # the step: Lightning's automatic optimization with the stock ``optimizer_zero_grad`` (its next
+    # ``zero_grad`` comes before any backward), and DeepSpeed's engine API (whose step clears them).
     def step(self, optimizer: torch.optim.Optimizer, **kwargs: Any) -> Any:
-        """Step ``optimizer`` on this rank's pieces, then publish the new values (stages 1/2).
-
-        The step consumes the gradients (as in DeepSpeed): freeing them here keeps them out of
-        the next forward's peak memory, where a zero_grad at the start of the next step comes late.
-        """
+        """Step ``optimizer`` on this rank's pieces, then publish the new values (stages 1/2)."""
         optimizer = unwrap(optimizer)
         self.finish_grads()
+        inner = self.routes.inner_step(optimizer)
+        stepped = self._units_with_grads(optimizer)
         self.grad_bytes_at_step = sum(u.grad_shard.numel() * 4 for u in self.units if u.grad_shard is not None)
+        published: set[int] = set()
         if self.offloader is not None:
-            published: set[int] = set()
-
             def publish(units: list[FlatUnit]) -> None:
                 self.republish(units)
                 published.update(u.index for u in units)
@@ -413,30 +424,42 @@ class ZeroEngine:
                 early = self.offloader.overlap.stepped if self.offloader.overlap is not None else set()
                 if self.comm.world_size == 1:  # their own chunk is the whole unit: already published
                     published.update(early)
-                out = self.offloader.step(optimizer, lambda: optimizer._zero_inner_step(**kwargs), self.piece_of,
+                out = self.offloader.step(optimizer, lambda: inner(**kwargs), self.piece_of,
                                           lambda p: self._slot[id(p)][0], publish)
-            self._consume(optimizer, publish=True, published=published)
-            return out
-        with torch.no_grad(), pieces_in_groups(optimizer, self.piece_of):
-            out = optimizer._zero_inner_step(**kwargs)
-        self._consume(optimizer, publish=True)
+        else:
+            with torch.no_grad(), pieces_in_groups(optimizer, self.piece_of):
+                out = inner(**kwargs)
+        self.republish([u for u in stepped if u.index not in published])
+        if self.free_grads_at_step:
+            self._drop_grads(self.slots_of(optimizer))
         return out
 
     def skip_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """Drop ``optimizer``'s gradients without stepping (fp16 overflow): values and state unchanged."""
+        """No step for ``optimizer`` this window (fp16 overflow): values and state unchanged."""
         self.finish_grads()
-        self._consume(optimizer, publish=False)
+        if self.free_grads_at_step:
+            self._drop_grads(self.slots_of(optimizer))
 
     def zero_grad(self, optimizer: torch.optim.Optimizer, set_to_none: bool = True) -> None:
         """``optimizer.zero_grad()``: forget the gradients of its parameters (closes an open window)."""
         self.finish_grads()
-        self._consume(optimizer, publish=False)
+        self._drop_grads(self.slots_of(optimizer))
+
+    def zero_all_grads(self) -> None:
+        """``module.zero_grad()``: forget every gradient, whichever optimizer (or none) owns it."""
+        self.finish_grads()
+        self._drop_grads([(u, slot) for u in self.units for slot in range(len(u.params))])
+
+    def _units_with_grads(self, optimizer: torch.optim.Optimizer) -> list[FlatUnit]:
+        """Units holding a gradient of ``optimizer``'s parameters on some rank (the ones a step changes)."""
+        found = {u.index: u for u, slot in self.slots_of(optimizer) if slot in self._grad_slots[u.index]}
+        return [found[k] for k in sorted(found)]
 
     @torch.no_grad()
-    def _consume(self, optimizer: torch.optim.Optimizer, publish: bool, published: Iterable[int] = ()) -> None:
+    def _drop_grads(self, slots: Iterable[tuple[FlatUnit, int]]) -> None:
         touched: dict[int, FlatUnit] = {}
         dropped: dict[int, list[torch.Tensor]] = {}
-        for unit, slot in self.slots_of(optimizer):
+        for unit, slot in slots:
             if slot in self._grad_slots[unit.index]:  # the same on every rank: a global flag
                 self._grad_slots[unit.index].discard(slot)
                 touched[unit.index] = unit
@@ -448,9 +471,6 @@ class ZeroEngine:
             unit.release_grad_shard_if_unused()
             if unit.grad_shard is not None and dropped.get(k):  # it lives on for another optimizer's: clear ours
                 torch._foreach_zero_(dropped[k])
-        if publish:
-            done = set(published)
-            self.republish([u for k, u in sorted(touched.items()) if k not in done])
 
     @torch.no_grad()
     def republish(self, units: Optional[Iterable[FlatUnit]] = None) -> None:
@@ -470,6 +490,11 @@ class ZeroEngine:
         handles = [self.comm.all_gather(u.full, u.gather_source(), async_op=True) for u in stale]
         for handle in handles:
             handle.wait()
+
+    def route_wrappers(self, wrappers: Iterable[Any]) -> None:
+        """Route new wrappers of the optimizers (Lightning re-wraps whenever its optimizer list is set)."""
+        for wrapper in wrappers:
+            self.routes.route_wrapper(wrapper)
 
     # ---- teardown -------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -533,8 +558,7 @@ class ZeroEngine:
             self.gatherer.remove_hooks()
         if self._forward is not None:
             self._forward.remove()
-        for optimizer in self.optimizers:
-            release(optimizer, self._wrappers[id(optimizer)])
+        self.routes.release()
 
     def gather_masters(self) -> Iterable[tuple[FlatUnit, torch.Tensor]]:
         """Yield each unit with its full fp32 values (one unit's full buffer alive at a time)."""

@@ -139,12 +139,12 @@ class Offloader:
         for unit in self.units:
             unit.refresh_param_shard()
 
-    def enable_overlap(self, optimizer: torch.optim.Optimizer, piece_of: Callable[[Any], Any],
+    def enable_overlap(self, optimizer: torch.optim.Optimizer, inner: Callable[[], Any], piece_of: Callable[[Any], Any],
                        unit_of: Callable[[Any], FlatUnit], fully_used: Callable[[FlatUnit], bool],
                        publish_own: Callable[[list[FlatUnit]], None]) -> None:
         """Step host units during backward (see [Note: the pipeline]); the caller checked that it is exact."""
         if self.store is None or not self.store.masters:
-            self.overlap = _Overlap(self, optimizer, piece_of, unit_of, fully_used, publish_own)
+            self.overlap = _Overlap(self, optimizer, inner, piece_of, unit_of, fully_used, publish_own)
 
     def disable_overlap(self) -> None:
         if self.overlap is not None:
@@ -351,10 +351,11 @@ class _Overlap:
     window's end). ``drain`` steps what is queued and waits; it returns the units stepped.
     """
 
-    def __init__(self, owner: Offloader, optimizer: torch.optim.Optimizer, piece_of: Callable[[Any], Any],
+    def __init__(self, owner: Offloader, optimizer: torch.optim.Optimizer, inner: Callable[[], Any],
+                 piece_of: Callable[[Any], Any],
                  unit_of: Callable[[Any], FlatUnit], fully_used: Callable[[FlatUnit], bool],
                  publish_own: Callable[[list[FlatUnit]], None]) -> None:
-        self.owner, self.optimizer = owner, optimizer
+        self.owner, self.optimizer, self.inner = owner, optimizer, inner
         self.piece_of, self.unit_of, self.fully_used, self.publish_own = piece_of, unit_of, fully_used, publish_own
         self.mine = {id(p) for group in optimizer.param_groups for p in group["params"]}
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lz-host-step")
@@ -400,7 +401,7 @@ class _Overlap:
 
         with torch.no_grad(), record_function(f"zero/host_step_in_backward[units {units[0].index}-{units[-1].index}]"), \
                 pieces_in_groups(self.optimizer, in_batch), self.owner._fast_host_kernels(self.optimizer):
-            self.optimizer._zero_inner_step()
+            self.inner()
         stream = self.owner.up_stream
         if stream is None:
             self.publish_own(units)

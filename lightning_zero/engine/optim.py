@@ -26,8 +26,8 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-__all__ = ["ELEMENTWISE_OPTIMIZERS", "UnsupportedOptimizerError", "check_optimizer", "adopt", "release",
-           "pieces_in_groups", "unwrap"]
+__all__ = ["ELEMENTWISE_OPTIMIZERS", "UnsupportedOptimizerError", "check_optimizer", "Routes", "pieces_in_groups",
+           "unwrap"]
 
 ELEMENTWISE_OPTIMIZERS: tuple[type, ...] = tuple(
     getattr(torch.optim, name) for name in
@@ -66,55 +66,96 @@ def check_optimizer(optimizer: torch.optim.Optimizer, allow_untested: bool) -> N
     )
 
 
-def adopt(optimizer: torch.optim.Optimizer, step: Callable, zero_grad: Callable,
-          extra: Optional[list[Any]] = None) -> None:
-    """Route ``optimizer``'s (and its LightningOptimizer wrappers') methods through the engine.
+class Routes:
+    """The engine's side of adopted optimizers: each one's own step, and every object whose
+    ``zero_grad`` / ``state_dict`` must reach the engine (the optimizer, Lightning's
+    ``LightningOptimizer`` wrappers of it, the module).
 
-    Args:
-        optimizer: the user's optimizer, still holding the module's parameters.
-        step: ``step(optimizer, closure)``: the engine's step.
-        zero_grad: ``zero_grad(optimizer, set_to_none)``: clears the pieces' gradients.
-        extra: wrappers (LightningOptimizer) that copied the optimizer's attributes.
+    [Note: routing]
+    The user's optimizer object stays in the user's hands, so its ``step``, ``zero_grad``,
+    ``state_dict`` and ``load_state_dict`` are replaced on the instance and given back at
+    ``release``; what the engine needs to remember (the optimizer's own step) stays here, not
+    on the optimizer. A ``LightningOptimizer`` finds ``zero_grad`` on its class (torch's, which
+    would only clear the module parameters' ``.grad``, never the engine's gradients), and
+    Lightning builds new wrappers whenever ``strategy.optimizers`` is set: each is routed as
+    it appears (:meth:`route_wrapper`). ``module.zero_grad()`` clears every gradient, as under DDP.
     """
-    if any(len(s) for s in optimizer.state.values()):
-        raise RuntimeError(
-            "The optimizer already holds state before lightning_zero sharded it. Create it in "
-            "configure_optimizers without stepping it, or restore its state from a checkpoint after setup.")
-    original_zero_grad = optimizer.zero_grad
-    inner_step = optimizer.step
 
-    def zero_step(self: Any, closure: Optional[Callable] = None, **kwargs: Any) -> Any:
-        return step(optimizer, closure, **kwargs)
+    def __init__(self) -> None:
+        self.inner: dict[int, Callable] = {}  # id(optimizer) -> its own step
+        self._targets: list[Any] = []  # objects whose methods were replaced
 
-    def zero_zero_grad(self: Any, set_to_none: bool = True) -> None:
-        original_zero_grad(set_to_none=set_to_none)
-        zero_grad(optimizer, set_to_none)
+    def adopt(self, optimizer: torch.optim.Optimizer, step: Callable, zero_grad: Callable) -> None:
+        """Route ``optimizer``'s methods through the engine.
 
-    def no_state_dict(self: Any, *args: Any, **kwargs: Any) -> Any:
-        raise RuntimeError(
-            "This optimizer is sharded by lightning_zero: its state lives in pieces spread over the ranks. "
-            "Save and restore it with trainer.save_checkpoint / trainer.fit(ckpt_path=...), or "
-            "strategy.optimizer_state(optimizer) for the full, consolidated state.")
+        Args:
+            optimizer: the user's optimizer, still holding the module's parameters.
+            step: ``step(optimizer, closure, **kwargs)``: the engine's step.
+            zero_grad: ``zero_grad(optimizer, set_to_none)``: clears the optimizer's gradients.
+        """
+        if any(len(s) for s in optimizer.state.values()):
+            raise RuntimeError(
+                "The optimizer already holds state before lightning_zero sharded it. Create it in "
+                "configure_optimizers without stepping it, or restore its state from a checkpoint after setup.")
+        original_zero_grad = optimizer.zero_grad
+        inner_step = optimizer.step
+        self.inner[id(optimizer)] = inner_step
 
-    optimizer._zero_inner_step = inner_step  # what a step runs once the pieces are in place
-    if getattr(inner_step, "_wrapped_by_lr_sched", False):  # the scheduler's own wrapper still runs inside
-        zero_step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
-    optimizer.step = types.MethodType(zero_step, optimizer)  # a LightningOptimizer steps through the strategy
-    for target in [optimizer, *(extra or [])]:
-        target.zero_grad = types.MethodType(zero_zero_grad, target)
-        target.state_dict = types.MethodType(no_state_dict, target)
-        target.load_state_dict = types.MethodType(no_state_dict, target)
+        def zero_step(self: Any, closure: Optional[Callable] = None, **kwargs: Any) -> Any:
+            return step(optimizer, closure, **kwargs)
 
+        def zero_zero_grad(self: Any, set_to_none: bool = True) -> None:
+            original_zero_grad(set_to_none=set_to_none)
+            zero_grad(optimizer, set_to_none)
 
-def release(optimizer: torch.optim.Optimizer, extra: Optional[list[Any]] = None) -> None:
-    """Undo :func:`adopt` (teardown): the optimizer's own methods again."""
-    inner = optimizer.__dict__.pop("_zero_inner_step", None)
-    for target in [optimizer, *(extra or [])]:
-        for name in _ROUTED:
-            if name != "step" or target is optimizer:
+        if getattr(inner_step, "_wrapped_by_lr_sched", False):  # the scheduler's own wrapper still runs inside
+            zero_step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+        optimizer.step = types.MethodType(zero_step, optimizer)  # a LightningOptimizer steps through the strategy
+        optimizer.zero_grad = types.MethodType(zero_zero_grad, optimizer)
+        optimizer.state_dict = types.MethodType(_no_state_dict, optimizer)
+        optimizer.load_state_dict = types.MethodType(_no_state_dict, optimizer)
+        self._targets.append(optimizer)
+
+    def route_wrapper(self, wrapper: Any) -> None:
+        """A wrapper of an adopted optimizer (``LightningOptimizer``) clears and saves through it."""
+        optimizer = unwrap(wrapper)
+        if wrapper is optimizer or id(optimizer) not in self.inner or wrapper.__dict__.get("zero_grad") is not None:
+            return
+        for name in _ROUTED[1:]:
+            wrapper.__dict__[name] = getattr(optimizer, name)
+        self._targets.append(wrapper)
+
+    def route_module(self, module: nn.Module, zero_all: Callable[[], None]) -> None:
+        """``module.zero_grad()`` also clears the engine's gradients of every parameter."""
+        original = module.zero_grad
+
+        def zero_grad(set_to_none: bool = True) -> None:
+            original(set_to_none=set_to_none)
+            zero_all()
+
+        module.__dict__["zero_grad"] = zero_grad
+        self._targets.append(module)
+
+    def inner_step(self, optimizer: torch.optim.Optimizer) -> Callable:
+        return self.inner[id(unwrap(optimizer))]
+
+    def release(self) -> None:
+        """Undo every routing (teardown): the objects' own methods again."""
+        for target in self._targets:
+            inner = self.inner.get(id(target))
+            for name in _ROUTED:
                 target.__dict__.pop(name, None)
-    if inner is not None and getattr(inner, "_wrapped_by_lr_sched", False):
-        optimizer.step = inner  # keep an LR scheduler's step counter
+            if inner is not None and getattr(inner, "_wrapped_by_lr_sched", False):
+                target.step = inner  # keep an LR scheduler's step counter
+        self._targets.clear()
+        self.inner.clear()
+
+
+def _no_state_dict(self: Any, *args: Any, **kwargs: Any) -> Any:
+    raise RuntimeError(
+        "This optimizer is sharded by lightning_zero: its state lives in pieces spread over the ranks. "
+        "Save and restore it with trainer.save_checkpoint / trainer.fit(ckpt_path=...), or "
+        "strategy.optimizer_state(optimizer) for the full, consolidated state.")
 
 
 @contextmanager
