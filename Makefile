@@ -4,7 +4,7 @@ PIP := $(PY) -m pip
 TORCH_PIN ?= torch==2.13.0
 ARGS ?=
 
-.PHONY: setup train test lint bench-cpu
+.PHONY: setup train test parity-full lint bench-cpu
 
 # Keep a torch that is already installed (a CUDA build, say); install the CPU pin only when missing.
 setup:
@@ -16,6 +16,10 @@ train: setup
 
 test: setup
 	$(PY) -m pytest -q tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; rc=0; fi; exit $$rc
+
+# Every cell of the parity matrix (the suite runs one slice of it per run): about 2 minutes on 2 cores.
+parity-full: setup
+	PARITY_SLICE=all $(PY) -m pytest -q tests/test_parity_matrix.py
 
 lint: setup
 	$(PY) -m ruff check lightning_zero tests examples

@@ -29,7 +29,7 @@ from .collectives import Comm
 from .config import ZeroConfig
 from .ds_config import DeepSpeedImport, build_optimizer, import_deepspeed_config
 from .engine import ZeroEngine
-from .precision.loss_scaler import DynamicLossScaler
+from .precision.step import LossScaling, make_scaler, zero_step
 
 __all__ = ["initialize", "ZeroModelEngine"]
 
@@ -101,17 +101,19 @@ class ZeroModelEngine:
         self.comm = Comm.from_group(None) if dist.is_initialized() else Comm()
         self.compute_dtype = _DTYPES[ds.precision]
         self.zero = ZeroEngine(model, [optimizer], ds.zero, self.comm, device, self.compute_dtype)
-        self.scaler = None
-        if ds.precision == "16-mixed":
-            z = ds.zero
-            self.scaler = DynamicLossScaler(init_scale=z.loss_scale or 2.0**z.initial_scale_power,
-                                            scale_window=z.loss_scale_window, hysteresis=z.hysteresis,
-                                            min_scale=z.min_loss_scale, dynamic=not z.loss_scale)
+        self.scaling = LossScaling(make_scaler(ds.zero, self.compute_dtype))
         self.micro_steps = 0
         self.global_steps = 0
-        self.skipped_steps = 0
 
     # ---- DeepSpeed's attributes ----------------------------------------------------------------
+    @property
+    def skipped_steps(self) -> int:
+        return self.scaling.skipped
+
+    @property
+    def scaler(self) -> Any:
+        return self.scaling.scaler
+
     @property
     def global_rank(self) -> int:
         return self.comm.rank
@@ -156,9 +158,7 @@ class ZeroModelEngine:
 
     def backward(self, loss: torch.Tensor) -> None:
         """DeepSpeed's semantics: the loss is divided by the accumulation steps; fp16 scales it."""
-        loss = loss.float() / self.gradient_accumulation_steps()
-        if self.scaler is not None:
-            loss = loss * self.scaler.scale
+        loss = self.scaling.scale_loss(loss.float() / self.gradient_accumulation_steps(), self.zero)
         sync = self.is_gradient_accumulation_boundary()
         with nullcontext() if sync else self.zero.no_sync():
             self.zero.backward(loss)
@@ -169,20 +169,11 @@ class ZeroModelEngine:
         self.micro_steps += 1
         if not boundary:
             return
-        self.zero.finish_grads()
-        overflow = False
-        if self.scaler is not None:
-            overflow = self.zero.unscale_and_check_(1.0 / self.scaler.scale, check=True)
-            self.scaler.update(overflow)
-        if overflow:
-            self.zero.skip_step(self.optimizer)
-            self.skipped_steps += 1
-        else:
-            if self.ds.gradient_clip_val:
-                self.zero.clip_grad_norm_(self.optimizer, self.ds.gradient_clip_val)
-            self.optimizer.step()
-            if self.lr_scheduler is not None:
-                self.lr_scheduler.step()
+        clip = self.ds.gradient_clip_val
+        stepped, _ = zero_step(self.zero, self.optimizer, self.scaling,
+                               (lambda: self.zero.clip_grad_norm_(self.optimizer, clip)) if clip else (lambda: None))
+        if stepped and self.lr_scheduler is not None:  # as DeepSpeed: a skipped step does not advance the schedule
+            self.lr_scheduler.step()
         self.optimizer.zero_grad()
         self.global_steps += 1
 
@@ -201,7 +192,7 @@ class ZeroModelEngine:
                       "optimizer_states": [sharded.optimizer_shards(self.zero, self.optimizer)],
                       "lr_schedulers": [self.lr_scheduler.state_dict()] if self.lr_scheduler is not None else [],
                       "global_step": self.global_steps, "micro_steps": self.micro_steps,
-                      "loss_scaler": self.scaler.state_dict() if self.scaler is not None else None,
+                      "loss_scaler": self.scaling.state_dict().get("loss_scaler"),
                       "client_state": client_state or {}}
         sharded.save(checkpoint, path, self.comm, sharded.describe_model(self.zero))
         if self.global_rank == 0:
@@ -221,8 +212,7 @@ class ZeroModelEngine:
             sharded.load_optimizer(checkpoint["optimizer_states"][0], self.zero, self.optimizer)
         if load_lr_scheduler_states and self.lr_scheduler is not None and checkpoint.get("lr_schedulers"):
             self.lr_scheduler.load_state_dict(checkpoint["lr_schedulers"][0])
-        if self.scaler is not None and checkpoint.get("loss_scaler"):
-            self.scaler.load_state_dict(checkpoint["loss_scaler"])
+        self.scaling.load_state_dict({"loss_scaler": checkpoint.get("loss_scaler")})
         self.global_steps = int(checkpoint.get("global_step", 0))
         self.micro_steps = int(checkpoint.get("micro_steps", self.global_steps * self.gradient_accumulation_steps()))
         return path, checkpoint.get("client_state", {})

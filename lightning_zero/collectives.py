@@ -15,12 +15,17 @@ from __future__ import annotations
 import os
 from collections import Counter
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["Comm", "Handle"]
+__all__ = ["Comm", "Handle", "MissingRanksError"]
+
+
+class MissingRanksError(RuntimeError):
+    """A collective a user called was not reached by every rank (called under ``if rank == 0:``?)."""
 
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -58,6 +63,7 @@ class Comm:
     bytes_moved: Counter = field(default_factory=Counter)  # op name -> bytes of full-size tensor
     # LIGHTNING_ZERO_FORCE_COLLECTIVES=1 runs real collectives even on one rank (to profile overlap).
     force: bool = field(default_factory=lambda: os.environ.get("LIGHTNING_ZERO_FORCE_COLLECTIVES") == "1")
+    control: Optional[Any] = None  # gloo group of the entry checks of user-called collectives (rendezvous)
 
     @property
     def _local(self) -> bool:
@@ -132,6 +138,31 @@ class Comm:
         out: list[Any] = [None] * self.world_size
         dist.all_gather_object(out, obj, group=self.group)
         return out
+
+    def with_control(self) -> Comm:
+        """This Comm plus a small gloo group for :meth:`rendezvous` (a collective call: every rank makes it)."""
+        if self.world_size > 1 and dist.is_initialized() and self.control is None:
+            ranks = dist.get_process_group_ranks(self.group) if self.group is not None else None
+            self.control = dist.new_group(ranks, backend="gloo")
+        return self
+
+    def close_control(self) -> None:
+        if self.control is not None and dist.is_initialized():
+            dist.destroy_process_group(self.control)
+        self.control = None
+
+    def rendezvous(self, what: str, timeout_s: float) -> None:
+        """Every rank reaches ``what`` within ``timeout_s``, or each rank that did raises
+        :class:`MissingRanksError` naming the others, instead of waiting forever in ``what``'s collectives."""
+        if self.world_size == 1 or self.control is None:
+            return
+        try:
+            dist.monitored_barrier(self.control, timeout=timedelta(seconds=timeout_s), wait_all_ranks=True)
+        except RuntimeError as err:
+            raise MissingRanksError(
+                f"{what} is a collective: every rank must call it, and not every rank did within {timeout_s:g} s "
+                f"(rank {self.rank} waited; {err}). Call it on all ranks (not under `if trainer.is_global_zero:`), "
+                f"or raise ZeroConfig(rendezvous_timeout_s) if some ranks are just slow to get there.") from None
 
     def reset_counters(self) -> None:
         self.bytes_moved.clear()

@@ -57,6 +57,9 @@ class ZeroConfig:
             activation checkpointing (recomputation re-gathers stage-3 groups).
         collective_timeout_s: seconds a rank waits in a collective before it fails with an
             error (instead of hanging when ranks disagree, e.g. uneven evaluation batches).
+        rendezvous_timeout_s: seconds every rank waits for the others when entering a collective that user
+            code calls (``full_state_dict``, ``save_checkpoint``, ...): a rank that never comes (a call under
+            ``if trainer.is_global_zero:``) turns into an error naming it instead of a hang.
         broadcast_buffers: before each training forward that synchronizes gradients, every rank
             takes rank 0's buffers (BatchNorm statistics), exactly as DDP does by default.
         checkpoint_format: "sharded" (default) writes a checkpoint directory in which every rank
@@ -102,6 +105,7 @@ class ZeroConfig:
     param_persistence_threshold: int = 100_000
     activation_checkpointing: tuple[str, ...] = ()
     collective_timeout_s: float = 1800.0
+    rendezvous_timeout_s: float = 120.0
     broadcast_buffers: bool = True
     checkpoint_format: str = "sharded"
     offload_optimizer: str = "none"
@@ -161,6 +165,8 @@ class ZeroConfig:
         _check(self.nvme_buffer_bytes >= 4096, "nvme_buffer_bytes", self.nvme_buffer_bytes,
                "use a positive number of bytes, at least 4096 (the host staging budget of NVMe offload)")
         _check(self.collective_timeout_s > 0, "collective_timeout_s", self.collective_timeout_s,
+               "use a positive number of seconds")
+        _check(self.rendezvous_timeout_s > 0, "rendezvous_timeout_s", self.rendezvous_timeout_s,
                "use a positive number of seconds")
 
     # Derived flags: the stage is a policy, read through these.

@@ -47,8 +47,8 @@ from .elastic import attempt_store
 from .engine import ZeroEngine
 from .engine.materialize import RngState, has_meta
 from .engine.memory import MemoryReport, memory_report
-from .lightning_compat import lightning_optimizers
 from .engine.state import check_keys, full_model_state, full_optimizer_state, load_model_state, load_optimizer_state
+from .lightning_compat import lightning_optimizers
 from .precision.plugin import ZeroPrecision
 from .summary import install_summary
 
@@ -107,6 +107,7 @@ class ZeroStrategy(ParallelStrategy):
         self._parked: Optional[ZeroEngine] = None  # stages 1/2: the last fit's shards, for saving after fit returns
         self._sync_buffers_next = True
         self._final_report: Optional[MemoryReport] = None
+        self._failed = False  # an exception ended this rank's run (see teardown)
 
     # ---- what Lightning asks of a parallel strategy ---------------------------------------
     @property
@@ -225,7 +226,9 @@ class ZeroStrategy(ParallelStrategy):
         if created:  # a group we started is also ours to end: see [Note: destroy the group at exit]
             _exit_hook.arm()
         _exit_hook.clean = True
-        self.comm = Comm.from_group(None)
+        self.comm.close_control()  # a strategy used for a second run: its earlier check group goes
+        self.comm = Comm.from_group(None).with_control()
+        _exit_hook.controls = [c for c in _exit_hook.controls if c.control is not None] + [self.comm]
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -237,6 +240,7 @@ class ZeroStrategy(ParallelStrategy):
     def setup(self, trainer: Any) -> None:
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
+        self._failed = False
         self._apply_deepspeed_trainer_settings(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
         if self.engine is None or fitting or self.engine.module is not self.lightning_module:
@@ -418,6 +422,10 @@ class ZeroStrategy(ParallelStrategy):
     def _sharded_checkpoints(self) -> bool:
         return self.config.checkpoint_format == "sharded" and self._state_engine is not None
 
+    def _rendezvous(self, what: str) -> None:
+        """Entry check of a collective user code calls: a rank that never comes is an error, not a hang."""
+        self.comm.rendezvous(what, self.config.rendezvous_timeout_s)
+
     def memory_report(self) -> MemoryReport:
         """Per-rank model-state bytes (measured) beside the ZeRO formulas (after fit: its last state)."""
         if self.engine is None:
@@ -436,23 +444,45 @@ class ZeroStrategy(ParallelStrategy):
         engine = self._state_engine
         if engine is None:
             return {k: v.detach().cpu() for k, v in self.lightning_module.state_dict().items()}
+        self._rendezvous("trainer.strategy.full_state_dict()")
         return full_model_state(engine, keep=self.is_global_zero or not rank0_only)
 
+    def full_optimizer_state_dict(self, optimizer: Any, rank0_only: bool = True) -> dict[str, Any]:
+        """``optimizer.state_dict()`` as the unsharded optimizer would return it (parameters numbered in
+        group order, per-parameter tensors whole, on the CPU). A collective, like :meth:`full_state_dict`:
+        call it on every rank; only rank 0 keeps the result unless ``rank0_only=False``."""
+        engine = self._state_engine
+        if engine is None:
+            return optimizer.state_dict()
+        self._rendezvous("trainer.strategy.full_optimizer_state_dict()")
+        return full_optimizer_state(engine, optimizer, keep=self.is_global_zero or not rank0_only)
+
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The module's state for a checkpoint: this rank's pieces (sharded format, no gathering) or
-        the full fp32 state dict (``checkpoint_format="full"``: stages 1/2 on every rank, stage 3 on
-        rank 0 only, so that a model too big for one rank is not copied into every rank's memory)."""
+        """The module's state for a checkpoint.
+
+        Sharded format (the default): the module's keys; buffers and parameters lightning_zero does not
+        manage are plain tensors; each managed parameter is a 1-D ``ShardedTensor`` of its ``numel``
+        elements whose local shard is this rank's piece of the fp32 master (a view: no copy and no
+        collective, so calling it on one rank is safe). A ShardedTensor supports ``local_shards()``,
+        ``torch.save`` and ``.cpu()``, not elementwise math (``.float()`` raises). For the weights as
+        plain full tensors call :meth:`full_state_dict` on every rank.
+
+        ``checkpoint_format="full"``: the full fp32 state dict (a collective; stages 1/2 on every rank,
+        stage 3 on rank 0 only, so that a model too big for one rank is not copied into every rank's memory).
+        """
         engine = self._state_engine
         if engine is None:
             return super().lightning_module_state_dict()
         if self._sharded_checkpoints:
             return sharded.model_shards(engine)
+        self._rendezvous("trainer.strategy.lightning_module_state_dict()")
         return full_model_state(engine, keep=self.is_global_zero or not self.config.shard_params)
 
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         engine = self._state_engine
         if engine is None:
             return super().optimizer_state(optimizer)
+        self._rendezvous("trainer.strategy.optimizer_state()")
         if self._sharded_checkpoints:
             return sharded.optimizer_shards(engine, optimizer)
         # as Lightning does for sharded optimizers: consolidated on rank 0, the rank that saves
@@ -461,6 +491,7 @@ class ZeroStrategy(ParallelStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         """Sharded: every rank writes its part of directory ``filepath`` (atomically, see
         ``checkpoint.files``). Full: rank 0 writes one file."""
+        self._rendezvous("trainer.save_checkpoint()")
         if self._sharded_checkpoints:
             if storage_options is not None:
                 raise TypeError("ZeroStrategy's sharded checkpoints take no storage_options; use "
@@ -526,6 +557,7 @@ class ZeroStrategy(ParallelStrategy):
         # Collectives of ours may still be in flight (the exception interrupted a backward): at exit
         # destroying the group would wait for them, i.e. for peers that will never join them.
         _exit_hook.clean = False
+        self._failed = True  # teardown must not wait in a collective the other ranks may never join
         super().on_exception(exception)
 
     def teardown(self) -> None:
@@ -535,7 +567,12 @@ class ZeroStrategy(ParallelStrategy):
         engine = self.engine
         if engine is not None and engine.units:
             self._final_report = memory_report(engine)
-        if engine is not None and not self.config.shard_params:
+        if engine is not None and self._failed:  # after an error on this rank: no collective, nothing kept
+            engine.detach(wait=False)
+            if engine.offloader is not None:
+                engine.offloader.close()
+            self.engine = None
+        elif engine is not None and not self.config.shard_params:
             engine.park()
             self._parked, self.engine = engine, None
         elif engine is not None:
@@ -644,6 +681,7 @@ class _ExitHook:
     def __init__(self) -> None:
         self.armed = False
         self.clean = True
+        self.controls: list[Comm] = []  # strategies' rendezvous groups: closed (and dropped) here too
 
     def arm(self) -> None:
         if not self.armed:
@@ -654,7 +692,10 @@ class _ExitHook:
         if self.clean:
             for engine in list(_kept_engines.values()):
                 _end_gather_group(engine)
+            for comm in self.controls:
+                comm.close_control()
             _destroy_dist_connection()
+        self.controls.clear()
 
 
 _exit_hook = _ExitHook()

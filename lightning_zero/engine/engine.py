@@ -295,7 +295,7 @@ class ZeroEngine:
         if used is None:
             return
         if self.offloader is not None:
-            self.offloader.wait_copies()  # the host reads the offloaded gradients from here on
+            self.offloader.finish_window()  # the host reads the offloaded gradients from here on
         for unit in self.units:
             for slot in used[unit.index]:
                 self._grad_slots[unit.index].add(slot)
@@ -339,19 +339,20 @@ class ZeroEngine:
         self.finish_grads()
         return [p.grad for u in self.units for p in u.pieces if p is not None and p.grad is not None]
 
+    def set_grad_scale(self, scale: float) -> None:
+        """The coming backward's gradients are scaled by ``scale`` (fp16 loss scaling): they are stored
+        divided by it (see :mod:`lightning_zero.precision.step`)."""
+        self.reducer.grad_scale = float(scale)
+
     @torch.no_grad()
-    def unscale_and_check_(self, inv_scale: float, check: bool = True) -> bool:
-        """Multiply every gradient piece by ``inv_scale``; True if any rank saw inf/nan (one all-reduce)."""
+    def grads_nonfinite(self, optimizer: torch.optim.Optimizer) -> bool:
+        """True if any rank holds an inf/nan gradient of ``optimizer``'s parameters (one all-reduce)."""
         found = torch.zeros(1, dtype=torch.float32, device=self.device)
-        if check or inv_scale != 1.0:
-            for device, grads in _by_device(self.all_grads()).items():  # offloaded gradients are on the host
-                found_here = torch.zeros(1, dtype=torch.float32, device=device)
-                inv = torch.full((1,), inv_scale, dtype=torch.float32, device=device)
-                torch._amp_foreach_non_finite_check_and_unscale_(grads, found_here, inv)
-                found = torch.maximum(found, found_here.to(self.device))
-        if check:
-            self.comm.all_reduce(found, op="max")
-        return bool(found.item() > 0)
+        for grads in _by_device(self.grads(optimizer)).values():  # offloaded gradients are on the host
+            sums = torch.stack(torch._foreach_norm(grads, 1.0)).sum()  # inf/nan anywhere makes it non-finite
+            if not torch.isfinite(sums):
+                found.fill_(1.0)
+        return bool(self.comm.all_reduce(found, op="max").item() > 0)
 
     @torch.no_grad()
     def grad_norm(self, optimizer: torch.optim.Optimizer, norm_type: float = 2.0) -> torch.Tensor:
@@ -547,12 +548,19 @@ class ZeroEngine:
                 for param, placeholder in zip(unit.params, unit.placeholders):
                     param.data = placeholder
 
-    def detach(self) -> None:
-        """Remove every hook and give the optimizers their own methods back."""
+    def detach(self, wait: bool = True) -> None:
+        """Remove every hook and give the optimizers their own methods back.
+
+        ``wait=False`` after an error: reductions still in flight are dropped, not waited for (their
+        peers may never join them), so that no rank blocks on its way out.
+        """
         for handle in self._guards:
             handle.remove()
         self._guards = []
-        self.reducer.wait_all()
+        if wait:
+            self.reducer.wait_all()
+        else:
+            self.reducer.abandon()
         self.reducer.remove_hooks()
         if self.gatherer is not None:
             self.gatherer.remove_hooks()

@@ -177,11 +177,14 @@ class FlatUnit:
         piece = self.piece_of[slot_index]
         return self.grad_shard[piece.shard_start:piece.shard_start + piece.length]
 
-    def add_to_grad_shard(self, reduced: torch.Tensor) -> None:
+    def add_to_grad_shard(self, reduced: torch.Tensor, unscale: float = 1.0) -> None:
+        """Add a reduced chunk (the reducer's own buffer, free to take) times ``unscale`` (1/loss scale)."""
         if self.grad_shard is None:
             self.grad_shard = reduced if reduced.dtype == torch.float32 else reduced.float()
+            if unscale != 1.0:
+                self.grad_shard.mul_(unscale)
         else:
-            self.grad_shard.add_(reduced)
+            self.grad_shard.add_(reduced, alpha=unscale)
 
     def release_grad_shard_if_unused(self) -> None:
         if all(p is None or p.grad is None for p in self.pieces):

@@ -76,14 +76,14 @@ class GradientReducer:
         agree_order: called at the first backward; returns the launch order (unit indices)
             every rank uses, or None to keep index order.
         on_backward_end: called once each backward has finished.
-        sink: ``sink(unit, reduced, last_micro_batch)`` takes each reduced chunk instead of the
-            unit's gradient shard (offload).
+        sink: ``sink(unit, reduced, last_micro_batch, unscale)`` takes each reduced chunk instead of
+            the unit's gradient shard (offload).
     """
 
     def __init__(self, units: list[FlatUnit], comm: Comm, policy: ReducePolicy,
                  agree_order: Optional[Callable[[], Optional[list[int]]]] = None,
                  on_backward_end: Optional[Callable[[], None]] = None,
-                 sink: Optional[Callable[[FlatUnit, torch.Tensor, bool], None]] = None) -> None:
+                 sink: Optional[Callable[[FlatUnit, torch.Tensor, bool, float], None]] = None) -> None:
         self.units = units
         self.comm = comm
         self.policy = policy
@@ -93,6 +93,7 @@ class GradientReducer:
         self.sink = sink  # takes each reduced chunk (offload moves it to the host); None: the unit's grad shard
         self.on_late: Optional[Callable[[FlatUnit], None]] = None  # told of a late gradient (offload overlap)
         self.sync = True  # False inside no_sync (stage 1 accumulates without reducing)
+        self.grad_scale = 1.0  # the loss scale the gradients of this window carry (fp16; see precision.step)
         self._slot_of = {id(p): (u, i) for u in units for i, p in enumerate(u.params)}
         self._hooks: dict[int, object] = {}
         self.register_hooks()
@@ -285,15 +286,21 @@ class GradientReducer:
     def _complete(self, unit: FlatUnit, out: torch.Tensor, handle: Handle) -> None:
         with record_function(f"zero/reduce_wait[unit {unit.index}]"):
             handle.wait()
+        unscale = 1.0 / self.grad_scale
         if self.sink is not None:
-            self.sink(unit, out, self.sync)
+            self.sink(unit, out, self.sync, unscale)
         else:
-            unit.add_to_grad_shard(out)
+            unit.add_to_grad_shard(out, unscale)
         self._trace("done", unit.index)
 
     def _trace(self, what: str, unit_index: int) -> None:
         if self.trace is not None:
             self.trace.append((time.perf_counter(), what, unit_index))
+
+    def abandon(self) -> None:
+        """Forget the reductions in flight without waiting (after an error on this rank)."""
+        self._inflight.clear()
+        self._in_backward = False
 
     def wait_all(self) -> None:
         while self._inflight:

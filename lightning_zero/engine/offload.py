@@ -81,6 +81,11 @@ class Offloader:
         self.up_stream = torch.cuda.Stream(device) if self.cuda else None  # host->device during backward
         self._copies: list[Any] = []  # events of device->host gradient copies not yet waited for
         self._accum: dict[int, torch.Tensor] = {}  # device accumulators of the window's earlier micro-batches
+        # [Note: scale of host gradients] A chunk that lands in place in an empty host gradient is copied as
+        # it was reduced, still scaled by the fp16 loss scale (a 16-bit copy crosses PCIe, a conversion would
+        # double it); its unit's factor is kept here and applied on the host when the window closes. Chunks
+        # added later in that window are added at the same scale; onto a gradient already true, unscaled.
+        self._host_scale: dict[int, float] = {}
         self.host_accumulation = config.offload_accumulation == "host"
         self._adder: Optional[_HostAdder] = None  # created at the first host accumulation
         self._announced: set[int] = set()  # units handed to the overlap this window (once each)
@@ -153,35 +158,52 @@ class Offloader:
 
     # ---- gradients -------------------------------------------------------------------------
     @torch.no_grad()
-    def take_reduced(self, unit: FlatUnit, reduced: torch.Tensor, final: bool) -> None:
-        """The reducer's sink: a unit's reduced gradient chunk (``final``: the window's last micro-batch)."""
+    def take_reduced(self, unit: FlatUnit, reduced: torch.Tensor, final: bool, unscale: float = 1.0) -> None:
+        """The reducer's sink: a unit's reduced gradient chunk (``final``: the window's last micro-batch),
+        to be stored times ``unscale`` (1/loss scale, see [Note: scale of host gradients])."""
         k = unit.index
         if k not in self.indices:
-            unit.add_to_grad_shard(reduced)
+            unit.add_to_grad_shard(reduced, unscale)
             return
         if not final and not self.host_accumulation:
             acc = self._accum.get(k)
-            self._accum[k] = reduced.float() if acc is None else acc.add_(reduced)
+            if acc is None:
+                self._accum[k] = reduced.float().mul_(unscale) if unscale != 1.0 else reduced.float()
+            else:
+                acc.add_(reduced, alpha=unscale)
             return
         acc = self._accum.pop(k, None)
         if acc is not None:
-            reduced = acc.add_(reduced)
+            reduced, unscale = acc.add_(reduced, alpha=unscale), 1.0
         if unit.grad_shard is None:  # the window's first chunk for this unit lands in place
             self._announced.discard(k)
             unit.grad_shard = self.grads.views[self._position[unit.index]]
+            self._host_scale[k] = unscale  # the host multiplies once the copy landed (finish_window)
             event = self._to_host(unit.grad_shard, reduced)
         elif self.host_accumulation:
             if self._adder is None:
                 self._adder = _HostAdder(max(u.layout.shard_numel for u in self.units), self.grads.pinned,
                                          self.copy_stream, self.seconds)
-            event = self._adder.add(unit.grad_shard, reduced)
-        else:  # a second reduction in the same window (late gradients): rare, so plainly synchronous
+            event = self._adder.add(unit.grad_shard, reduced, unscale / self._host_scale.get(k, 1.0))
+        else:  # a second reduction in the same window (late gradients, or gradients kept since an earlier
+            # window): rare, so plainly synchronous
             self.wait_copies()
-            unit.grad_shard.add_(reduced.to("cpu", torch.float32))
+            unit.grad_shard.add_(reduced.to("cpu", torch.float32), alpha=unscale / self._host_scale.get(k, 1.0))
             return
         if final and self.overlap is not None and k not in self._announced:
             self._announced.add(k)
             self.overlap.ready(unit, event)
+
+    @torch.no_grad()
+    def finish_window(self) -> None:
+        """Every gradient copy has landed and every host gradient holds true (unscaled) values."""
+        self.wait_copies()
+        for k, unscale in self._host_scale.items():
+            if unscale != 1.0:
+                grad = self.units[self._position[k]].grad_shard
+                if grad is not None:
+                    grad.mul_(unscale)
+        self._host_scale.clear()
 
     def _to_host(self, host: torch.Tensor, reduced: torch.Tensor) -> Any:
         event = _copy_down(self.copy_stream, host, reduced, self.grads.pinned)
@@ -302,24 +324,24 @@ class _HostAdder:
         self.next = 0
         self.added = 0  # chunks added (diagnostics, tests)
 
-    def add(self, target: torch.Tensor, reduced: torch.Tensor) -> _Pending:
+    def add(self, target: torch.Tensor, reduced: torch.Tensor, alpha: float = 1.0) -> _Pending:
         i, self.next = self.next, (self.next + 1) % self.SLOTS
         if self.busy[i] is not None:
             self.busy[i].result()
         slot = self.staging.views[i][:reduced.numel()]
         event = _copy_down(self.stream, slot, reduced, self.staging.pinned)  # the reducer may then reuse it
-        future = self.pool.submit(self._add, target, slot, event)
+        future = self.pool.submit(self._add, target, slot, event, alpha)
         self.added += 1
         self.busy[i] = future
         self.pending.append(future)
         return _Pending(future)
 
-    def _add(self, target: torch.Tensor, slot: torch.Tensor, event: Any) -> None:
+    def _add(self, target: torch.Tensor, slot: torch.Tensor, event: Any, alpha: float) -> None:
         if event is not None:
             event.synchronize()
         start = time.perf_counter()
         with torch.no_grad(), record_function("zero/host_accumulate"):
-            target.add_(slot)
+            target.add_(slot, alpha=alpha)
         self.seconds["host_accumulate"] += time.perf_counter() - start
 
     def wait(self) -> None:

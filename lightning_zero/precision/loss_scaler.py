@@ -1,7 +1,7 @@
 """A pure dynamic loss scaler with DeepSpeed's semantics and defaults.
 
 No tensors and no collectives: the caller decides whether the step overflowed (on every
-rank, after the cross-rank vote) and calls :meth:`update` once per optimizer step.
+rank, after the cross-rank vote) and calls :meth:`update` once per iteration (after the steps that followed a backward).
 """
 
 from __future__ import annotations
@@ -44,6 +44,11 @@ class DynamicLossScaler:
         self.step_count = 0  # optimizer steps seen (skipped ones included)
         self.last_overflow_step = -1
         self.overflows = 0
+
+    @property
+    def fails_on_overflow(self) -> bool:
+        """An overflow now would raise :class:`LossScaleAtMinimumError` in :meth:`update`."""
+        return self.dynamic and self.cur_hysteresis <= 1 and self.scale <= self.min_scale
 
     def update(self, overflow: bool) -> None:
         """Account for one step; ``overflow`` means non-finite gradients on some rank."""

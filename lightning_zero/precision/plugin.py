@@ -1,11 +1,10 @@
 """ZeroPrecision: Lightning's precision plugin for sharded, mixed-precision ZeRO training.
 
-Order of one optimizer step (as Lightning's AMP plugin): scale the loss → closure
-(forward + backward) → close the gradient window (reductions done) → unscale and vote on
-overflow (one all-reduce MAX) and update the scale → clip (global norm across shards) →
-step or skip. Unscaling, the vote and the scale update happen once per window of
-backwards, for every optimizer at once: two optimizers stepping after one backward see the
-same, unscaled gradients and the same verdict.
+Order of one optimizer step (as Lightning's AMP plugin): scale the loss → closure (forward +
+backward; gradients are stored unscaled, see :mod:`lightning_zero.precision.step`) → close
+the gradient window and vote on overflow for this optimizer (one all-reduce MAX) → hooks and
+clipping (global norm across shards) → step or skip. The scale is updated before the next
+backward, from the verdicts of every optimizer that stepped since the last one.
 
 Mixed modes ("bf16-mixed", "16-mixed") keep 16-bit parameters and gradients in the module
 and run forward under autocast, so user code that mixes in fp32 tensors keeps working.
@@ -25,7 +24,8 @@ from lightning.pytorch.plugins.precision import Precision
 from torch import Tensor
 
 from ..config import ZeroConfig
-from .loss_scaler import DynamicLossScaler, LossScaleAtMinimumError
+from .loss_scaler import DynamicLossScaler
+from .step import LossScaling, make_scaler, zero_step
 
 if TYPE_CHECKING:
     from ..engine import ZeroEngine
@@ -58,10 +58,8 @@ class ZeroPrecision(Precision):
         self.precision = "32-true" if precision == "32" else precision
         self.compute_dtype = PRECISIONS[precision]
         self.device_type = "cuda" if torch.cuda.is_available() else "cpu"
-        self.scaler: Optional[DynamicLossScaler] = None
+        self.scaling = LossScaling(None)
         self._engine: Optional[ZeroEngine] = None
-        self._unscaled_window = -1  # the engine window whose gradients were unscaled (see _unscale_window)
-        self._window_overflow = False
         self.configure(config, explicit=config is not None)
 
     @property
@@ -71,14 +69,13 @@ class ZeroPrecision(Precision):
     def configure(self, config: Optional[ZeroConfig], explicit: bool = True) -> None:
         """(Re)build the loss scaler from ``config``; fp16 modes only."""
         self._config_explicit = explicit
-        if self.compute_dtype != torch.float16:
-            return
-        config = config or ZeroConfig()
-        static = config.loss_scale > 0
-        self.scaler = DynamicLossScaler(
-            init_scale=config.loss_scale if static else 2.0**config.initial_scale_power,
-            scale_window=config.loss_scale_window, hysteresis=config.hysteresis,
-            min_scale=config.min_loss_scale, dynamic=not static)
+        self.scaling = LossScaling(make_scaler(config, self.compute_dtype))
+
+    @property
+    def scaler(self) -> Optional[DynamicLossScaler]:
+        """The loss scaler, with the verdicts of the steps so far applied (None without fp16)."""
+        self.scaling.flush()
+        return self.scaling.scaler
 
     def attach(self, engine: ZeroEngine, device_type: str) -> None:
         self._engine = engine
@@ -86,7 +83,7 @@ class ZeroPrecision(Precision):
 
     @property
     def loss_scale(self) -> float:
-        return self.scaler.scale if self.scaler is not None else 1.0
+        return self.scaling.scale
 
     # ---- forward ------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -111,57 +108,24 @@ class ZeroPrecision(Precision):
 
     # ---- backward and step ------------------------------------------------------------------
     def pre_backward(self, tensor: Tensor, module: Any) -> Tensor:
-        if self.scaler is not None:
-            tensor = tensor.float() * self.scaler.scale
-        return super().pre_backward(tensor, module)
+        return super().pre_backward(self.scaling.scale_loss(tensor, self._engine), module)
 
     def zero_optimizer_step(self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any) -> Any:
         """The whole step for one optimizer (see the module docstring for the order)."""
         engine = self._require_engine()
         closure_result = closure()
-        skipped_backward = closure_result is None and getattr(model, "automatic_optimization", False)
-        overflow = False if skipped_backward else self._unscale_window(engine)
-        self._after_closure(model, optimizer)
-        if skipped_backward:
+        if closure_result is None and getattr(model, "automatic_optimization", False):  # training_step gave no loss
+            engine.finish_grads()
+            self._after_closure(model, optimizer)
             return closure_result
-        if overflow:
-            engine.skip_step(optimizer)
-            return closure_result
-        output = engine.step(optimizer, **kwargs)
+        _, output = zero_step(engine, optimizer, self.scaling, lambda: self._after_closure(model, optimizer), **kwargs)
         return output if output is not None else closure_result
 
-    def _unscale_window(self, engine: ZeroEngine) -> bool:
-        """Unscale every gradient of the window, vote on overflow and update the scale: once per
-        window, whichever optimizer asks first; later optimizers of the window reuse the verdict."""
-        engine.finish_grads()
-        if self.scaler is None:
-            return False
-        if self._unscaled_window == engine.window:
-            return self._window_overflow
-        overflow = engine.unscale_and_check_(1.0 / self.scaler.scale, check=True)
-        self._unscaled_window, self._window_overflow = engine.window, overflow
-        try:
-            self.scaler.update(overflow)
-        except LossScaleAtMinimumError as err:
-            names = engine.nonfinite_parameters()
-            shown = ", ".join(names[:10]) + (f" and {len(names) - 10} more" if len(names) > 10 else "")
-            raise LossScaleAtMinimumError(
-                f"fp16 gradients still overflow with the loss scale at its minimum ({self.scaler.min_scale:g}); "
-                f"non-finite gradients in: {shown or 'no parameter (the loss itself is not finite)'}. "
-                f"The model produces values fp16 cannot hold: train with precision='bf16-mixed' (same speed "
-                f"on recent GPUs, no loss scaling needed), lower the learning rate, or check those layers "
-                f"for exploding activations.") from err
-        return overflow
-
     def clip_grad_by_norm(self, optimizer: Any, clip_val: float) -> None:
-        engine = self._require_engine()
-        self._unscale_window(engine)  # as torch's AMP: clipping always sees unscaled gradients
-        engine.clip_grad_norm_(optimizer, clip_val)
+        self._require_engine().clip_grad_norm_(optimizer, clip_val)
 
     def clip_grad_by_value(self, optimizer: Any, clip_val: float) -> None:
-        engine = self._require_engine()
-        self._unscale_window(engine)
-        engine.clip_grad_value_(optimizer, clip_val)
+        self._require_engine().clip_grad_value_(optimizer, clip_val)
 
     def _require_engine(self) -> ZeroEngine:
         if self._engine is None:
@@ -171,8 +135,7 @@ class ZeroPrecision(Precision):
 
     # ---- checkpoints -----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        return {"loss_scaler": self.scaler.state_dict()} if self.scaler is not None else {}
+        return self.scaling.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if self.scaler is not None and "loss_scaler" in state_dict:
-            self.scaler.load_state_dict(state_dict["loss_scaler"])
+        self.scaling.load_state_dict(state_dict)
