@@ -21,9 +21,9 @@ __version__ = "0.1.0"
 
 def _register() -> None:
     # Lightning only discovers register_strategies in its own package; a re-import must not fail.
-    from .strategy import PRESETS
+    from .presets import PRESETS
 
-    for name in ("zero1", "zero2", "zero3", *(p[0] for p in PRESETS)):
+    for name, _, _ in PRESETS:
         StrategyRegistry.pop(name, None)
     ZeroStrategy.register_strategies(StrategyRegistry)
 

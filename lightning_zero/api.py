@@ -13,7 +13,6 @@ Launched by ``torchrun`` (or as one process); NCCL on GPUs, gloo on CPU.
 
 from __future__ import annotations
 
-import atexit
 import os
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -24,10 +23,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from . import ds_glue, process_group
 from .checkpoint import sharded
 from .collectives import Comm
 from .config import ZeroConfig
-from .ds_config import DeepSpeedImport, build_optimizer, import_deepspeed_config
+from .ds_config import DeepSpeedImport, import_deepspeed_config
 from .engine import ZeroEngine
 from .precision.step import LossScaling, make_scaler, zero_step
 
@@ -44,15 +44,8 @@ def _setup_distributed() -> tuple[torch.device, int]:
         torch.cuda.set_device(device)
     if not dist.is_initialized() and "WORLD_SIZE" in os.environ:
         dist.init_process_group("nccl" if cuda else "gloo")
-        # a group torn down only during interpreter finalization can abort the process (gloo workers
-        # freeing finished work): end the one we started while the interpreter is still whole
-        atexit.register(_destroy_group)
+        process_group.exit_hook.arm()  # see [Note: destroy the group at exit]
     return device, local
-
-
-def _destroy_group() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def initialize(model: nn.Module, model_parameters: Any = None, config: Union[str, Path, dict, ZeroConfig, None] = None,
@@ -73,19 +66,7 @@ def initialize(model: nn.Module, model_parameters: Any = None, config: Union[str
     device, local = _setup_distributed()
     params = [p for p in (model_parameters if model_parameters is not None else model.parameters()) if p.requires_grad]
     model.to(device)
-    if callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
-        optimizer = optimizer(params)
-    if optimizer is None:
-        if ds.optimizer is None:
-            raise ValueError("lightning_zero.initialize needs an optimizer: pass optimizer=... or put an \"optimizer\" "
-                             "section in the config.")
-        optimizer = build_optimizer(ds.optimizer, params)
-    if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
-        lr_scheduler = lr_scheduler(optimizer)
-    if lr_scheduler is None and ds.scheduler is not None:
-        from .ds_schedules import build_scheduler
-
-        lr_scheduler = build_scheduler(optimizer, ds.scheduler)
+    optimizer, lr_scheduler = ds_glue.optimizer_and_scheduler(ds, params, optimizer, lr_scheduler)
     engine = ZeroModelEngine(model, optimizer, ds, device, local, lr_scheduler)
     loader = engine.dataloader(training_data, collate_fn) if training_data is not None else None
     return engine, optimizer, loader, lr_scheduler
@@ -147,8 +128,8 @@ class ZeroModelEngine:
 
     # ---- training ------------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self.module.training and self.ds.zero.broadcast_buffers:
-            self.zero.broadcast_buffers()
+        if self.module.training:
+            self.zero.before_training_forward()
         context = (torch.autocast(self.device.type, dtype=self.compute_dtype)
                    if self.compute_dtype != torch.float32 else nullcontext())
         with context:

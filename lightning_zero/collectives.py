@@ -131,6 +131,50 @@ class Comm:
                            group=self.group)
         return tensor
 
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        """Group rank ``src``'s picklable ``obj`` on every rank."""
+        if self.world_size == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, src) if self.group else src,
+                                   group=self.group)
+        return box[0]
+
+    def barrier(self) -> None:
+        if self.world_size == 1:
+            return
+        if dist.get_backend(self.group) == "nccl":
+            dist.barrier(group=self.group, device_ids=[torch.cuda.current_device()])
+        else:
+            dist.barrier(group=self.group)
+
+    def reduce_value(self, tensor: torch.Tensor, op: Any = "mean") -> torch.Tensor:
+        """Lightning's ``strategy.reduce`` (logged values, metrics): in place, ``op`` a ``ReduceOp`` or one of
+        "sum", "mean"/"avg", "max", "min", "product"; a mean is a sum divided here (gloo has no AVG)."""
+        if self.world_size == 1:
+            return tensor
+        divide = False
+        if isinstance(op, str):
+            name = op.lower()
+            divide = name in ("mean", "avg")
+            op = dist.ReduceOp.SUM if divide else getattr(dist.ReduceOp, name.upper())
+        dist.all_reduce(tensor, op=op, group=self.group)
+        if not divide:
+            return tensor
+        return tensor.div_(self.world_size) if tensor.is_floating_point() else tensor.copy_(tensor / self.world_size)
+
+    def dcp_save(self, state: dict[str, Any], writer: Any) -> None:
+        """``torch.distributed.checkpoint.save`` over this group (every rank writes its part)."""
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(state, storage_writer=writer, process_group=self.group)
+
+    def dcp_load(self, state: dict[str, Any], reader: Any) -> None:
+        """``torch.distributed.checkpoint.load`` over this group (every rank reads what its tensors need)."""
+        import torch.distributed.checkpoint as dcp
+
+        dcp.load(state, storage_reader=reader, process_group=self.group)
+
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Every rank's picklable ``obj`` (diagnostics only: slow, never on the hot path)."""
         if self.world_size == 1:

@@ -1,14 +1,20 @@
-"""The few things the strategy needs from Lightning that Lightning offers no public way to read.
+"""Everything the strategy needs from Lightning that Lightning offers no public way to reach.
 
-Each function names the private attribute it reads, so that a Lightning release that moves it
-breaks here, in one place, with a test (tests/test_lightning_compat.py) saying which.
+Each name here wraps one private attribute or function, so that a Lightning release that moves
+it breaks here, in one place, with a test saying which (tests/test_lightning_compat.py, run
+against every Lightning minor version we support). Nothing else in lightning_zero reads a
+Lightning private.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["lightning_optimizers"]
+import torch
+from lightning.fabric.utilities import distributed as _fabric_distributed
+
+__all__ = ["lightning_optimizers", "is_restarting", "init_process_group", "destroy_process_group",
+           "default_backend_for", "set_launcher", "model_summary_settings"]
 
 
 def lightning_optimizers(strategy: Any) -> list[Any]:
@@ -17,3 +23,34 @@ def lightning_optimizers(strategy: Any) -> list[Any]:
     Lightning rebuilds them whenever ``strategy.optimizers`` is set (``Strategy._lightning_optimizers``).
     """
     return list(getattr(strategy, "_lightning_optimizers", []))
+
+
+def is_restarting(callback: Any) -> bool:
+    """A fine-tuning callback restored from a checkpoint re-creates its param groups (``BaseFinetuning._restarting``)."""
+    return bool(getattr(callback, "_restarting", False))
+
+
+def init_process_group(cluster_environment: Any, backend: str, **kwargs: Any) -> None:
+    """Lightning's own process-group start (``_init_dist_connection``): reads the cluster environment's
+    rank, world size and address, as every Lightning strategy does."""
+    _fabric_distributed._init_dist_connection(cluster_environment, backend, **kwargs)
+
+
+def destroy_process_group() -> None:
+    """Lightning's ``_destroy_dist_connection`` (a no-op when no group is up)."""
+    _fabric_distributed._destroy_dist_connection()
+
+
+def default_backend_for(device: torch.device) -> str:
+    """``nccl`` on CUDA devices, ``gloo`` elsewhere (``_get_default_process_group_backend_for_device``)."""
+    return _fabric_distributed._get_default_process_group_backend_for_device(device)
+
+
+def set_launcher(strategy: Any, launcher: Any) -> None:
+    """A strategy's ``_configure_launcher`` sets ``_launcher`` (Lightning's own strategies do the same)."""
+    strategy._launcher = launcher
+
+
+def model_summary_settings(callback: Any) -> tuple[int, dict[str, Any]]:
+    """``max_depth`` and the other arguments a ``ModelSummary`` callback was built with."""
+    return callback._max_depth, dict(callback._summarize_kwargs)

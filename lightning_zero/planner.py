@@ -13,7 +13,7 @@ traffic that fits (``strategy="zero_auto"``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 from .config import ZeroConfig
 
@@ -244,3 +244,14 @@ def hardware_here(device: object, gpus_per_node: int, nodes: int, config: ZeroCo
         gpu = host // max(gpus_per_node, 1)
     return Hardware(gpus_per_node=gpus_per_node, nodes=nodes, gpu_bytes=int(gpu * (1 - ACTIVATION_SHARE)),
                     host_bytes=host, nvme_bytes=nvme)
+
+
+def plan_for_run(module: Any, device: Any, gpus_per_node: int, nodes: int, config: ZeroConfig, compute_dtype: Any,
+                 accumulate: int) -> list:
+    """``[config as a dict, why]``: what ``zero_auto`` chooses for this module on this machine."""
+    import torch
+
+    numel = sum(p.numel() for p in module.parameters())
+    choice = choose(numel, hardware_here(device, gpus_per_node, nodes, config), config,
+                    compute_bytes=2 if compute_dtype != torch.float32 else 4, accumulate=accumulate)
+    return [choice.config.to_dict(), choice.why]

@@ -12,6 +12,8 @@ from typing import Any
 from lightning.pytorch.callbacks import ModelSummary as ModelSummaryCallback
 from lightning.pytorch.utilities.model_summary.model_summary import LayerSummary, ModelSummary
 
+from .lightning_compat import model_summary_settings
+
 __all__ = ["ZeroModelSummary", "install_summary"]
 
 
@@ -68,5 +70,6 @@ def install_summary(trainer: Any) -> None:
     callbacks = trainer.callbacks
     for i, cb in enumerate(callbacks):
         if type(cb) is ModelSummaryCallback:
-            replacement = ZeroModelSummary(max_depth=cb._max_depth, **cb._summarize_kwargs)
+            max_depth, kwargs = model_summary_settings(cb)
+            replacement = ZeroModelSummary(max_depth=max_depth, **kwargs)
             callbacks[i] = replacement

@@ -100,11 +100,11 @@ def strategy_yaml(stage: int, config: Optional[ZeroConfig] = None, title: str = 
 
 
 def write_strategy_yamls(directory: Path = CONF_DIR / "strategy") -> None:
-    from lightning_zero.strategy import PRESETS
+    from lightning_zero.presets import PRESETS
 
     for stage in (1, 2, 3):
         (directory / f"zero{stage}.yaml").write_text(strategy_yaml(stage))
-    for name, description, config in PRESETS:
+    for name, description, config in PRESETS[3:]:
         (directory / f"{name}.yaml").write_text(strategy_yaml(config.stage, config, description))
     (directory / "deepspeed.yaml").write_text(
         "# A DeepSpeed ds_config.json read by lightning_zero: strategy=deepspeed strategy.deepspeed_config=PATH.\n"

@@ -345,7 +345,7 @@ def zero_config_of(a: argparse.Namespace):
     overrides = parse_zero_overrides(a.zero)
     if overrides:
         return build_zero_strategy(a.strategy, overrides)[0].config
-    from lightning_zero.strategy import PRESETS
+    from lightning_zero.presets import PRESETS
 
     m = re.fullmatch(r"zero([123])", a.strategy)
     if m:

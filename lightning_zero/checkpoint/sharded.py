@@ -182,8 +182,8 @@ def save(checkpoint: dict[str, Any], path: Any, comm: Comm, describe: dict[str, 
     meta["lightning_zero"] = describe
     partial = partial_path(path)
     with _quiet():
-        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(partial), single_file_per_rank=False,
-                                                              thread_count=_WRITER_THREADS))
+        comm.dcp_save(tensors, dcp.FileSystemWriter(str(partial), single_file_per_rank=False,
+                                                    thread_count=_WRITER_THREADS))
     if comm.rank == 0:
         torch.save(meta, partial / META_FILE)
         commit(path)
@@ -281,7 +281,7 @@ def load_into_engine(saved: SavedState, engine: ZeroEngine, strict: bool = True)
         key = have.get(name)
         if key and isinstance(value, torch.Tensor) and id(value) not in managed and key not in targets:
             targets[key] = value.detach().view(saved.metadata.state_dict_metadata[key].size)
-    _load(targets, saved.path)
+    _load(targets, saved.path, engine.comm)
     engine.republish()
 
 
@@ -328,7 +328,7 @@ def load_optimizer(saved: SavedState, engine: ZeroEngine, optimizer: Any) -> Non
                 entry[key] = cpu_copy(value)
         if entry:
             optimizer.state[piece] = entry
-    _load(targets, saved.path)
+    _load(targets, saved.path, engine.comm)
 
 
 @contextmanager
@@ -340,10 +340,15 @@ def _quiet() -> Iterator[None]:
         yield
 
 
-def _load(targets: dict[str, Any], path: Path) -> None:
+def _load(targets: dict[str, Any], path: Path, comm: Optional[Comm] = None) -> None:
+    """Read ``targets`` from ``path``: over the engine's group, or (before setup, no engine yet) the default one."""
+    reader = dcp.FileSystemReader(str(path))
     try:
         with _quiet():
-            dcp.load(targets, storage_reader=dcp.FileSystemReader(str(path)))
+            if comm is not None:
+                comm.dcp_load(targets, reader)
+            else:
+                dcp.load(targets, storage_reader=reader)
     except Exception as err:  # DCP wraps each rank's failure; name the checkpoint and the way out
         raise CheckpointPathError(f"Reading checkpoint {path} failed: {str(err).splitlines()[0]}. If it was copied "
                                   f"or is still being written, copy the whole directory again.") from err

@@ -112,6 +112,7 @@ class ZeroEngine:
             self.routes.adopt(optimizer, self.optimizer_step, self.zero_grad)
         self.route_wrappers(wrappers)
         self.routes.route_module(module, self.zero_all_grads)
+        self._sync_buffers_next = True  # see before_training_forward
         self._guards = install_state_dict_guard(module, self.units) if config.shard_params else []
 
     # ---- construction -------------------------------------------------------------------------
@@ -214,6 +215,52 @@ class ZeroEngine:
         agreed = self.comm.broadcast(torch.tensor(order, dtype=torch.int64, device=self.device), src=0)
         return agreed.tolist()
 
+    def before_training_forward(self) -> None:
+        """DDP's buffer rule: rank 0's buffers go to every rank before a forward that follows a forward
+        which synchronized gradients (the first micro-batch of each accumulation window)."""
+        if self.config.broadcast_buffers and self._sync_buffers_next:
+            self.broadcast_buffers()
+        self._sync_buffers_next = torch.is_grad_enabled() and self.syncing
+
+    @contextmanager
+    def hold(self, group: nn.Module, until_backward_end: bool) -> Iterator[None]:
+        """Stage 3: keep ``group``'s parameters gathered for a scope (the root module for a Lightning step);
+        with ``until_backward_end`` until the backward that follows has finished. Elsewhere a no-op."""
+        if self.gatherer is None:
+            yield
+            return
+        with self.gatherer.hold(group, until_backward_end):
+            yield
+
+    def describe_offload(self) -> Optional[str]:
+        """One line on what is offloaded where (None without offload)."""
+        if self.offloader is None:
+            return None
+        return self.offloader.describe(sum(u.layout.shard_numel for u in self.units))
+
+    def end_gather_group(self) -> None:
+        """Destroy the process group stage 3 gathers on (``Comm.sibling``: one per engine).
+
+        Its gloo worker threads live as long as the group object does, so a released engine must
+        not keep it: otherwise every fit/validate/test would leave a group behind, and the last
+        one would be torn down only during interpreter finalization (see [Note: destroy the group
+        at exit] in :mod:`lightning_zero.process_group`). Not a collective: every rank's gathers
+        were waited before.
+        """
+        gatherer = self.gatherer
+        if gatherer is None or gatherer.comm.group is None or gatherer.comm.group is self.comm.group:
+            return
+        group = gatherer.comm.group
+        gatherer.comm = self.comm  # the released engine gathers no more
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group(group)
+
+    def close(self) -> None:
+        """Release what outlives a run: the stage-3 gather group, offload threads and NVMe files."""
+        self.end_gather_group()
+        if self.offloader is not None:
+            self.offloader.close()
+
     @torch.no_grad()
     def broadcast_buffers(self) -> None:
         """Rank 0's buffers on every rank (DDP's ``broadcast_buffers``), one flat collective per dtype."""
@@ -234,17 +281,19 @@ class ZeroEngine:
         for _, b in self.module.named_buffers():
             b.data = self.comm.broadcast(b.detach().to(self.device).contiguous(), src=0)
 
-    def overlap_step(self, optimizer: Optional[torch.optim.Optimizer]) -> None:
-        """Let the host step ``optimizer``'s offloaded units during backward (None: not anymore).
+    def overlap_step(self, optimizer: Optional[torch.optim.Optimizer], blocker: Optional[str] = None) -> str:
+        """Let the host step ``optimizer``'s offloaded units during backward (None: not anymore, because of
+        ``blocker``); returns a line saying what is offloaded and when the host steps.
 
         Only exact when nothing changes gradients between backward and the step: the caller (the
         strategy) checks one optimizer, no clipping, no loss scaling and no user hook before the step.
         """
         if self.offloader is None:
-            return
+            return "lightning_zero: nothing offloaded"
+        described = f"lightning_zero {self.describe_offload()}; host step "
         if optimizer is None or not self.config.overlap_step:
             self.offloader.disable_overlap()
-            return
+            return described + f"after backward ({blocker or 'overlap_step=False'})"
         optimizer = unwrap(optimizer)
 
         def fully_used(unit: FlatUnit) -> bool:
@@ -257,8 +306,10 @@ class ZeroEngine:
                 if unit.state is UnitState.UNSHARDED:
                     unit.gather_source()  # this rank's chunk of the device buffer; the others come at the step
 
-        self.offloader.enable_overlap(optimizer, self.routes.inner_step(optimizer), self.piece_of, lambda p: self._slot[id(p)][0], fully_used, publish_own)
+        self.offloader.enable_overlap(optimizer, self.routes.inner_step(optimizer), self.piece_of,
+                                      lambda p: self._slot[id(p)][0], fully_used, publish_own)
         self.reducer.on_late = self.offloader.overlap.late_gradient if self.offloader.overlap is not None else None
+        return described + "overlaps backward"
 
     # ---- backward -------------------------------------------------------------------------------
     def begin_backward(self, loss: torch.Tensor) -> None:
@@ -299,9 +350,7 @@ class ZeroEngine:
         for unit in self.units:
             for slot in used[unit.index]:
                 self._grad_slots[unit.index].add(slot)
-                piece = unit.pieces[slot]
-                if piece is not None and piece.grad is None:
-                    piece.grad = unit.grad_view(slot)
+                unit.give_grad(slot)
             unit.release_grad_shard_if_unused()
         self.window += 1
 
@@ -464,10 +513,9 @@ class ZeroEngine:
             if slot in self._grad_slots[unit.index]:  # the same on every rank: a global flag
                 self._grad_slots[unit.index].discard(slot)
                 touched[unit.index] = unit
-                piece = unit.pieces[slot]
-                if piece is not None and piece.grad is not None:
-                    dropped.setdefault(unit.index, []).append(piece.grad)
-                    piece.grad = None
+                grad = unit.drop_grad(slot)
+                if grad is not None:
+                    dropped.setdefault(unit.index, []).append(grad)
         for k, unit in touched.items():
             unit.release_grad_shard_if_unused()
             if unit.grad_shard is not None and dropped.get(k):  # it lives on for another optimizer's: clear ours
@@ -503,10 +551,7 @@ class ZeroEngine:
         """Give the module back as plain fp32 parameters holding the trained (master) values."""
         self.detach()
         for unit, full in self.gather_masters():
-            for param, view in zip(unit.params, unit.param_views(full)):
-                param.data = view.clone().to(device or self.device)
-                param.grad = None
-            unit.full = None
+            unit.give_params(full, device or self.device, copy=True)
 
     @torch.no_grad()
     def park(self) -> None:
@@ -521,32 +566,20 @@ class ZeroEngine:
         self.detach()
         if self.compute_dtype != torch.float32:
             for unit, full in self.gather_masters():
-                for param, view in zip(unit.params, unit.param_views(full)):
-                    param.data = view.to("cpu", copy=True)
-        for unit in self.units:  # an offloaded master already lives on the host (or in a file): no copy
-            master = unit.master.detach() if unit.master.device.type == "cpu" else unit.master.detach().to("cpu")
-            for piece, where in zip(unit.pieces, unit.piece_of):
-                if piece is not None:
-                    piece.data = master[where.shard_start:where.shard_start + where.length]
-                    piece.grad = None
-            unit.master, unit.grad_shard, unit.grad_full = master, None, None
-            for param in unit.params:
-                param.grad = None
+                unit.give_params(full, torch.device("cpu"), copy=True)
+        for unit in self.units:
+            unit.park()
 
     def drop_full(self) -> None:
         """Forget the flat compute buffers once the module holds its parameters elsewhere (after park)."""
         for unit in self.units:
-            unit.full, unit.views = None, []
+            unit.drop_full()
 
     def restore_param_views(self) -> None:
         """Point parameters at the engine's buffers again after something replaced their ``.data``
         (Lightning's teardown moves the module to the CPU; evaluation after fit moves it back)."""
         for unit in self.units:
-            if unit.state is UnitState.UNSHARDED:
-                unit.point_params_at_full()
-            else:
-                for param, placeholder in zip(unit.params, unit.placeholders):
-                    param.data = placeholder
+            unit.restore_params()
 
     def detach(self, wait: bool = True) -> None:
         """Remove every hook and give the optimizers their own methods back.

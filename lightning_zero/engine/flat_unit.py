@@ -117,6 +117,53 @@ class FlatUnit:
         if not keep_full:
             self.release_full()
 
+    # ---- where the optimizer side lives (offload, NVMe, after fit) ------------------------------
+    def set_master(self, master: torch.Tensor) -> None:
+        """Make ``master`` (this rank's chunk, fp32) the unit's master: every piece becomes a view of it.
+        The caller filled it (a host arena, a mapped file, a staging slot)."""
+        self.master = master
+        for piece, where in zip(self.pieces, self.piece_of):
+            if piece is not None:
+                piece.data = master[where.shard_start:where.shard_start + where.length]
+
+    def set_param_shard(self, shard: Optional[torch.Tensor], after_io: Optional[Callable[[], None]] = None) -> None:
+        """Stage 3 with offload: the compute-dtype shard gathers start from (``after_io`` runs after each read)."""
+        self.param_shard, self.after_param_io = shard, after_io
+        if shard is not None:
+            self.refresh_param_shard()
+
+    def park(self) -> None:
+        """After fit: the master moves to host memory (an offloaded one is there already), gradients go."""
+        master = self.master.detach()
+        self.set_master(master if master.device.type == "cpu" else master.to("cpu"))
+        for piece in self.pieces:
+            if piece is not None:
+                piece.grad = None
+        for param in self.params:
+            param.grad = None
+        self.grad_shard = self.grad_full = None
+
+    def give_params(self, values: torch.Tensor, device: Optional[torch.device], copy: bool) -> None:
+        """The module's parameters become plain tensors holding ``values`` (a full flat tensor of this unit)
+        on ``device``; the unit keeps no compute buffer."""
+        for param, view in zip(self.params, self.param_views(values)):
+            param.data = view.to(device or view.device, copy=copy) if copy or device is not None else view
+            param.grad = None
+        self.drop_full()
+
+    def drop_full(self) -> None:
+        """Forget the flat compute buffer (the module holds its parameters elsewhere)."""
+        self.full, self.views = None, []
+
+    def restore_params(self) -> None:
+        """Point the parameters at the unit's buffer (or placeholders) again after something replaced their
+        ``.data`` (Lightning's teardown moves the module to the CPU)."""
+        if self.state is UnitState.UNSHARDED:
+            self.point_params_at_full()
+        else:
+            for param, placeholder in zip(self.params, self.placeholders):
+                param.data = placeholder
+
     # ---- state transitions ------------------------------------------------------------------
     def point_params_at_full(self) -> None:
         for param, view in zip(self.params, self.views):
@@ -170,6 +217,34 @@ class FlatUnit:
         return src.device.type == "cpu" and self.device.type != "cpu"
 
     # ---- gradients ----------------------------------------------------------------------------
+    def start_grad_full(self, dtype: torch.dtype) -> torch.Tensor:
+        """A zeroed full-size gradient buffer for the hooks to copy into (see engine.grads)."""
+        self.grad_full = torch.zeros(self.layout.padded_numel, dtype=dtype, device=self.device)
+        return self.grad_full
+
+    def take_grad_full(self) -> Optional[torch.Tensor]:
+        """Hand the full-size gradient buffer to the reduction; the unit no longer holds it."""
+        full, self.grad_full = self.grad_full, None
+        return full
+
+    def attach_grad_shard(self, shard: torch.Tensor) -> None:
+        """A gradient shard that lives elsewhere (an offloaded unit's host arena view); filled by the caller."""
+        self.grad_shard = shard
+
+    def give_grad(self, slot: int) -> None:
+        """The piece of parameter ``slot`` (if this rank has one) gets its gradient view, unless it has one."""
+        piece = self.pieces[slot]
+        if piece is not None and piece.grad is None:
+            piece.grad = self.grad_view(slot)
+
+    def drop_grad(self, slot: int) -> Optional[torch.Tensor]:
+        """The piece of parameter ``slot`` forgets its gradient; returns the view it had (None if none)."""
+        piece = self.pieces[slot]
+        if piece is None or piece.grad is None:
+            return None
+        grad, piece.grad = piece.grad, None
+        return grad
+
     def grad_view(self, slot_index: int) -> torch.Tensor:
         """This rank's piece of ``grad_shard`` for one parameter (the piece's ``.grad``)."""
         if self.grad_shard is None:  # next to the master: a piece and its gradient share a device

@@ -36,6 +36,7 @@ inside Lightning's ``inference_mode`` evaluation must stay usable by training af
 
 from __future__ import annotations
 
+import enum
 from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -49,11 +50,20 @@ from torch.utils._pytree import tree_flatten, tree_map
 from ..collectives import Comm, Handle
 from .flat_unit import FlatUnit, UnitState
 
-__all__ = ["Gatherer"]
+__all__ = ["Gatherer", "TrainingState"]
 
 
 def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
+
+
+class TrainingState(enum.Enum):
+    """Where a group is in a training step (FSDP2's ``TrainingState``); transitions are checked."""
+
+    IDLE = "idle"  # neither running nor held
+    FORWARD = "forward"  # one or more of its forwards are running
+    PRE_BACKWARD = "pre_backward"  # its backward has started: held (gathered) until it ends
+    POST_BACKWARD = "post_backward"  # its backward has ended this step (IDLE again at the end of backward)
 
 
 class _Call:
@@ -61,9 +71,45 @@ class _Call:
 
     __slots__ = ("group", "held")
 
-    def __init__(self, group: nn.Module) -> None:
+    def __init__(self, group: _Group) -> None:
         self.group = group
         self.held = False
+
+
+class _UnitGather:
+    """One unit's gather bookkeeping: who holds it, the all-gather in flight, the event to wait for."""
+
+    __slots__ = ("unit", "holders", "pending", "ready")
+
+    def __init__(self, unit: FlatUnit) -> None:
+        self.unit = unit
+        self.holders = 0
+        self.pending: Optional[Handle] = None  # all-gather in flight, not yet waited for
+        self.ready: Optional[Any] = None  # CUDA event the compute stream waits for before use (side-stream copy)
+
+
+class _Group:
+    """A group module's state: its units, the forwards running, the calls whose backward holds it."""
+
+    def __init__(self, module: nn.Module, units: list[FlatUnit]) -> None:
+        self.module = module
+        self.units = units
+        self.state = TrainingState.IDLE
+        self.forwards = 0  # its forwards running now (a module may call itself, or run inside a recompute)
+        self.stack: list[Optional[_Call]] = []  # calls whose forward is running, innermost last
+        self.held = 0  # calls whose backward holds the group
+
+    def to(self, state: TrainingState) -> None:
+        self.state = state
+
+    def settle(self) -> None:
+        """After one of its forwards ended: still running, held by a backward, or idle."""
+        if self.forwards:
+            self.state = TrainingState.FORWARD
+        elif self.held:
+            self.state = TrainingState.PRE_BACKWARD
+        else:
+            self.state = TrainingState.IDLE
 
 
 class _PostBackward(torch.autograd.Function):
@@ -94,39 +140,42 @@ class Gatherer:
 
     def __init__(self, needs: dict[nn.Module, list[FlatUnit]], comm: Comm, prefetch: int, persistent: set[int],
                  members: Optional[dict[nn.Module, nn.Module]] = None) -> None:
-        self.needs = needs
+        self.groups = {id(m): _Group(m, units) for m, units in needs.items()}
         self.comm = comm
         self.prefetch = prefetch
         self.persistent = persistent
-        self.units = sorted({id(u): u for us in needs.values() for u in us}.values(), key=lambda u: u.index)
-        self.order: list[nn.Module] = []  # group modules in forward order (first training forward)
+        units = sorted({id(u): u for us in needs.values() for u in us}.values(), key=lambda u: u.index)
+        self.slots = {u.index: _UnitGather(u) for u in units}
+        self.order: list[_Group] = []  # groups in forward order (first training forward)
         self._order_frozen = False
-        self._position: dict[int, int] = {}
-        self._holders: dict[int, int] = {}  # unit index -> holders
-        self._pending: dict[int, Handle] = {}  # unit index -> all-gather in flight, not yet waited for
+        self._position: dict[int, int] = {}  # id(group module) -> place in ``order``
         self._prefetched: deque[list[FlatUnit]] = deque()  # issued ahead of use, oldest first
         self._calls: list[_Call] = []  # training forward calls of this backward
-        self._stack: dict[int, list[Optional[_Call]]] = {}  # id(group) -> calls whose forward is running
-        self._active: dict[int, int] = {}  # id(group) -> forwards of it running now
         self._held_until_backward_end: list[FlatUnit] = []
-        self._group_of = members or {}
+        self._group_of = {id(member): self.groups[id(g)] for member, g in (members or {}).items()}
         self.peak_gathered_bytes = 0
         self.copy_stream: Optional[Any] = None  # offload: host-to-device copies and their gathers run here
-        self._ready: dict[int, Any] = {}  # unit index -> event the compute stream waits for before use
         self._hooks: list = []
         for module in needs:
             self._hooks.append(module.register_forward_pre_hook(self._pre_forward, with_kwargs=True))
             self._hooks.append(module.register_forward_hook(self._post_forward))
-        for member in self._group_of:
+        for member in members or {}:
             self._hooks.append(member.register_forward_pre_hook(self._pre_forward_member))
-        for unit in self.units:
-            if unit.index in persistent:
-                self._acquire(unit)
+        for slot in self.slots.values():
+            if slot.unit.index in persistent:
+                self._acquire(slot.unit)
+
+    @property
+    def units(self) -> list[FlatUnit]:
+        return [slot.unit for slot in self.slots.values()]
 
     def remove_hooks(self) -> None:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+
+    def state_of(self, module: nn.Module) -> TrainingState:
+        return self.groups[id(module)].state
 
     @property
     def gathered_bytes(self) -> int:
@@ -135,41 +184,41 @@ class Gatherer:
 
     # ---- units ------------------------------------------------------------------------------
     def _issue(self, unit: FlatUnit) -> None:
-        if unit.state is UnitState.UNSHARDED or unit.index in self._pending:
+        slot = self.slots[unit.index]
+        if unit.state is UnitState.UNSHARDED or slot.pending is not None:
             return
         with torch.inference_mode(False), torch.no_grad(), record_function(f"zero/all_gather[unit {unit.index}]"):
             unit.alloc_storage()
             if self.copy_stream is None or not unit.source_on_host:
-                self._pending[unit.index] = self.comm.all_gather(unit.full, unit.gather_source(), async_op=True)
+                slot.pending = self.comm.all_gather(unit.full, unit.gather_source(), async_op=True)
             else:  # the host-to-device copy must not queue behind compute: a side stream, waited for at use
                 self.copy_stream.wait_stream(torch.cuda.current_stream(unit.device))
                 with torch.cuda.stream(self.copy_stream):
-                    self._pending[unit.index] = self.comm.all_gather(unit.full, unit.gather_source(), async_op=True)
-                    self._ready[unit.index] = torch.cuda.Event()
-                    self._ready[unit.index].record(self.copy_stream)
+                    slot.pending = self.comm.all_gather(unit.full, unit.gather_source(), async_op=True)
+                    slot.ready = torch.cuda.Event()
+                    slot.ready.record(self.copy_stream)
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
 
     def _wait(self, unit: FlatUnit) -> None:
+        slot = self.slots[unit.index]
         with record_function(f"zero/gather_wait[unit {unit.index}]"):
-            self._wait_for(unit)
-
-    def _wait_for(self, unit: FlatUnit) -> None:
-        ready = self._ready.pop(unit.index, None)
-        if ready is not None:
-            torch.cuda.current_stream(unit.device).wait_event(ready)
-        try:
-            self._pending.pop(unit.index).wait()
-        except RuntimeError as err:
-            raise RuntimeError(
-                f"lightning_zero stage 3: the all-gather of parameters {unit.names[:3]}... did not complete on every "
-                f"rank. The usual cause is ranks running different forward passes (uneven evaluation batches, or "
-                f"data-dependent control flow that skips a group module on some ranks): under stage 3 every rank must "
-                f"run the same group modules in the same order. Give each rank the same number of batches "
-                f"(Lightning's DistributedSampler does), wrap the module that always runs (the MoE layer, not each "
-                f"expert), or use stage 1/2.") from err
+            if slot.ready is not None:
+                torch.cuda.current_stream(unit.device).wait_event(slot.ready)
+                slot.ready = None
+            pending, slot.pending = slot.pending, None
+            try:
+                pending.wait()
+            except RuntimeError as err:
+                raise RuntimeError(
+                    f"lightning_zero stage 3: the all-gather of parameters {unit.names[:3]}... did not complete on "
+                    f"every rank. The usual cause is ranks running different forward passes (uneven evaluation "
+                    f"batches, or data-dependent control flow that skips a group module on some ranks): under stage 3 "
+                    f"every rank must run the same group modules in the same order. Give each rank the same number of "
+                    f"batches (Lightning's DistributedSampler does), wrap the module that always runs (the MoE layer, "
+                    f"not each expert), or use stage 1/2.") from err
 
     def _acquire(self, unit: FlatUnit) -> None:
-        self._holders[unit.index] = self._holders.get(unit.index, 0) + 1
+        self.slots[unit.index].holders += 1
         if unit.state is UnitState.UNSHARDED:
             return
         self._issue(unit)
@@ -178,19 +227,19 @@ class Gatherer:
             unit.point_params_at_full()
 
     def _release(self, unit: FlatUnit) -> None:
-        left = self._holders.get(unit.index, 0) - 1
-        self._holders[unit.index] = max(left, 0)
-        if left <= 0 and unit.index not in self.persistent:
+        slot = self.slots[unit.index]
+        slot.holders = max(slot.holders - 1, 0)
+        if slot.holders == 0 and unit.index not in self.persistent:
             self._reshard(unit)
 
     def _reshard(self, unit: FlatUnit) -> None:
-        if unit.index in self._pending:
+        if self.slots[unit.index].pending is not None:
             self._wait(unit)
         if unit.state is UnitState.UNSHARDED or unit.storage_alive:
             unit.release_full()
 
-    def _prefetch(self, group: nn.Module) -> None:
-        units = [u for u in self.needs[group] if u.state is UnitState.SHARDED and u.index not in self._pending]
+    def _prefetch(self, group: _Group) -> None:
+        units = [u for u in group.units if u.state is UnitState.SHARDED and self.slots[u.index].pending is None]
         if not units:
             return
         for unit in units:
@@ -202,15 +251,15 @@ class Gatherer:
     def _drop(self, units: list[FlatUnit]) -> None:
         """Free prefetched units nobody acquired (the shards may change before their next use)."""
         for unit in units:
-            if unit.state is UnitState.SHARDED and self._holders.get(unit.index, 0) == 0:
+            if unit.state is UnitState.SHARDED and self.slots[unit.index].holders == 0:
                 self._reshard(unit)
 
     def drop_prefetches(self) -> None:
         while self._prefetched:
             self._drop(self._prefetched.popleft())
 
-    def _prefetch_from(self, module: nn.Module, step: int) -> None:
-        pos = self._position.get(id(module))
+    def _prefetch_from(self, group: _Group, step: int) -> None:
+        pos = self._position.get(id(group.module))
         if pos is None:
             return
         for k in range(1, self.prefetch + 1):
@@ -218,26 +267,79 @@ class Gatherer:
             if 0 <= j < len(self.order):
                 self._prefetch(self.order[j])
 
+    # ---- transitions -------------------------------------------------------------------------
+    def pre_forward(self, group: _Group) -> None:
+        """A forward of ``group`` begins: gather it and prefetch the next ones in forward order."""
+        if not self._order_frozen and id(group.module) not in self._position:
+            self._position[id(group.module)] = len(self.order)
+            self.order.append(group)
+        group.forwards += 1
+        group.to(TrainingState.FORWARD)
+        for unit in group.units:
+            self._acquire(unit)
+        self._prefetch_from(group, +1)
+
+    def post_forward(self, group: _Group) -> None:
+        """A forward of ``group`` ended: free it (its backward gathers it again)."""
+        group.forwards -= 1
+        for unit in group.units:
+            self._release(unit)
+        group.settle()
+
+    def pre_backward(self, call: _Call) -> None:
+        """The backward of one forward call of a group begins: hold it, prefetch the previous ones."""
+        self._order_frozen = True
+        if call.held:
+            return
+        call.held = True
+        group = call.group
+        group.held += 1
+        group.to(TrainingState.PRE_BACKWARD)
+        for unit in group.units:
+            self._acquire(unit)
+        self._prefetch_from(group, -1)
+
+    def post_backward(self, call: _Call) -> None:
+        """That backward ended (its inputs' gradients exist): free the group, reduced or not."""
+        if not call.held:
+            return
+        call.held = False
+        group = call.group
+        group.held -= 1
+        for unit in group.units:
+            self._release(unit)
+        if not group.held and not group.forwards:
+            group.to(TrainingState.POST_BACKWARD)
+
+    def end_of_backward(self) -> None:
+        for call in self._calls:
+            self.post_backward(call)
+        self._calls.clear()
+        for group in self.groups.values():
+            if group.state is TrainingState.POST_BACKWARD:
+                group.to(TrainingState.IDLE)
+        self.release_held()
+        self.drop_prefetches()
+
+    def release_held(self) -> None:
+        for unit in self._held_until_backward_end:
+            self._release(unit)
+        self._held_until_backward_end.clear()
+
     # ---- hooks --------------------------------------------------------------------------------
     @torch.compiler.disable
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple]:
-        stack = self._stack.setdefault(id(module), [])
+        group = self.groups[id(module)]
         if _in_backward():
-            stack.append(self._recompute(module))
+            group.stack.append(self._recompute(group))
             return None
-        if not self._order_frozen and id(module) not in self._position:
-            self._position[id(module)] = len(self.order)
-            self.order.append(module)
-        self._active[id(module)] = self._active.get(id(module), 0) + 1
-        for unit in self.needs[module]:
-            self._acquire(unit)
-        self._prefetch_from(module, +1)
+        self.pre_forward(group)
         if not torch.is_grad_enabled():
-            stack.append(None)
+            group.stack.append(None)
             return None
-        call = _Call(module)
+        call = _Call(group)
         self._calls.append(call)
-        stack.append(call)
+        group.stack.append(call)
         return self._route_inputs(call, args, kwargs)
 
     def _route_inputs(self, call: _Call, args: tuple, kwargs: dict) -> Optional[tuple]:
@@ -249,27 +351,28 @@ class Gatherer:
         routed = dict(zip(map(id, needing), _PostBackward.apply(self, call, *needing)))
         return tree_map(lambda t: routed.get(id(t), t) if isinstance(t, torch.Tensor) else t, (args, kwargs))
 
-    def _recompute(self, module: nn.Module) -> Optional[_Call]:
+    def _recompute(self, group: _Group) -> Optional[_Call]:
         """A forward inside backward (activation checkpointing): see [Note: recomputation]."""
-        if any(c.held for c in self._calls if c.group is module):
+        if any(c.held for c in self._calls if c.group is group):
             return None  # non-reentrant: the pre-backward of this group already holds it
-        call = _Call(module)
+        call = _Call(group)
         call.held = True
+        group.held += 1
+        group.to(TrainingState.PRE_BACKWARD)
         self._calls.append(call)
-        for unit in self.needs[module]:
+        for unit in group.units:
             self._acquire(unit)
         return call
 
     @torch.compiler.disable
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
-        call = self._stack[id(module)].pop()
+        group = self.groups[id(module)]
+        call = group.stack.pop()
         if _in_backward():
             if call is not None and torch.is_grad_enabled():
                 self._release_after_nested_backward(call, args)
             return
-        self._active[id(module)] -= 1
-        for unit in self.needs[module]:
-            self._release(unit)
+        self.post_forward(group)
         if call is None:
             return
         tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
@@ -285,49 +388,22 @@ class Gatherer:
 
     @torch.compiler.disable
     def _pre_forward_member(self, module: nn.Module, args: Any) -> None:
-        group = self._group_of[module]
-        if self._active.get(id(group), 0) or _in_backward():
+        group = self._group_of[id(module)]
+        if group.forwards or _in_backward():
             return  # the usual path: inside its group's forward (or a recomputation in backward)
-        for unit in self.needs[group]:
+        for unit in group.units:
             if unit not in self._held_until_backward_end:
                 self._acquire(unit)  # held until backward (or the evaluation step) ends
                 self._held_until_backward_end.append(unit)
 
-    def pre_backward(self, call: _Call) -> None:
-        self._order_frozen = True
-        if call.held:
-            return
-        call.held = True
-        for unit in self.needs[call.group]:
-            self._acquire(unit)
-        self._prefetch_from(call.group, -1)
-
-    def post_backward(self, call: _Call) -> None:
-        if call.held:
-            call.held = False
-            for unit in self.needs[call.group]:
-                self._release(unit)
-
-    def end_of_backward(self) -> None:
-        for call in self._calls:
-            self.post_backward(call)
-        self._calls.clear()
-        self.release_held()
-        self.drop_prefetches()
-
-    def release_held(self) -> None:
-        for unit in self._held_until_backward_end:
-            self._release(unit)
-        self._held_until_backward_end.clear()
-
     @contextmanager
-    def hold(self, group: nn.Module, until_backward_end: bool) -> Iterator[None]:
-        """Keep ``group``'s units gathered for a scope (a Lightning step of the root module).
+    def hold(self, module: nn.Module, until_backward_end: bool) -> Iterator[None]:
+        """Keep ``module``'s group gathered for a scope (a Lightning step of the root module).
 
-        With ``until_backward_end`` (training) they stay gathered until the backward that
+        With ``until_backward_end`` (training) it stays gathered until the backward that
         follows has finished: the loss may use the root's parameters outside its forward.
         """
-        units = self.needs[group]
+        units = self.groups[id(module)].units
         for unit in units:
             self._acquire(unit)
         try:

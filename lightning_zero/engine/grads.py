@@ -217,8 +217,7 @@ class GradientReducer:
         if unit.grad_full is None:
             if self.policy.shard_grads:
                 self._make_room()
-            dtype = self.policy.reduce_dtype if self.policy.shard_grads else self.policy.accum_dtype
-            unit.grad_full = torch.zeros(unit.layout.padded_numel, dtype=dtype, device=unit.device)
+            unit.start_grad_full(self.policy.reduce_dtype if self.policy.shard_grads else self.policy.accum_dtype)
             self._written[unit.index].clear()
             if not self.policy.shard_grads:
                 self.window_full_bytes += unit.grad_full.untyped_storage().nbytes()
@@ -256,8 +255,7 @@ class GradientReducer:
             return
         self.launches["during_backward" if during_backward else "after_backward"] += 1
         self._trace("launch", k)
-        self._reduce(unit, unit.grad_full, self._written[k])
-        unit.grad_full = None
+        self._reduce(unit, unit.take_grad_full(), self._written[k])
 
     def _reduce(self, unit: FlatUnit, full: Optional[torch.Tensor], written: set[int]) -> None:
         """Reduce-scatter ``full`` (slots outside ``written`` are zeroed) into the unit's gradient shard."""

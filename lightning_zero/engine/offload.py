@@ -125,10 +125,7 @@ class Offloader:
     def _move_masters(self) -> None:
         for unit, host in zip(self.units, self.masters.views):
             host.copy_(unit.master)
-            unit.master = host
-            for piece, where in zip(unit.pieces, unit.piece_of):
-                if piece is not None:
-                    piece.data = host[where.shard_start:where.shard_start + where.length]
+            unit.set_master(host)
 
     @torch.no_grad()
     def _place_param_shards(self, pin: bool) -> None:
@@ -136,13 +133,11 @@ class Offloader:
         if not self.config.shard_params:
             return
         where = self.config.offload_params
-        if where == "none":
-            for unit in self.units:
-                unit.param_shard = torch.empty(unit.layout.shard_numel, dtype=self.compute_dtype, device=self.device)
         # offload_params='cpu': gathers copy straight from the fp32 host master and convert on the device
         # (a 16-bit host copy would cost the CPU a conversion pass every step, beside its optimizer step)
-        for unit in self.units:
-            unit.refresh_param_shard()
+        if where == "none":
+            for unit in self.units:
+                unit.set_param_shard(torch.empty(unit.layout.shard_numel, dtype=self.compute_dtype, device=self.device))
 
     def enable_overlap(self, optimizer: torch.optim.Optimizer, inner: Callable[[], Any], piece_of: Callable[[Any], Any],
                        unit_of: Callable[[Any], FlatUnit], fully_used: Callable[[FlatUnit], bool],
@@ -177,7 +172,7 @@ class Offloader:
             reduced, unscale = acc.add_(reduced, alpha=unscale), 1.0
         if unit.grad_shard is None:  # the window's first chunk for this unit lands in place
             self._announced.discard(k)
-            unit.grad_shard = self.grads.views[self._position[unit.index]]
+            unit.attach_grad_shard(self.grads.views[self._position[unit.index]])
             self._host_scale[k] = unscale  # the host multiplies once the copy landed (finish_window)
             event = self._to_host(unit.grad_shard, reduced)
         elif self.host_accumulation:
@@ -414,9 +409,9 @@ class _Overlap:
         units = [u for u, _ in batch]
         members = {u.index for u in units}
         for unit in units:  # the pieces' gradients: what finish_grads gives them at the window's end
-            for slot, piece in enumerate(unit.pieces):
-                if piece is not None and unit.params[slot].requires_grad:
-                    piece.grad = unit.grad_view(slot)
+            for slot, param in enumerate(unit.params):
+                if param.requires_grad:
+                    unit.give_grad(slot)
 
         def in_batch(p: Any) -> Any:
             return self.piece_of(p) if self.unit_of(p).index in members else None

@@ -127,12 +127,11 @@ class NvmeStore:
             if masters:
                 master = self._file(unit, "master", torch.float32)
                 master.tensor.copy_(unit.master)
-                self._point(unit, master.tensor)
+                unit.set_master(master.tensor)
                 master.release_pages()
             if params_dtype is not None:
-                unit.param_shard = self._file(unit, "param", params_dtype).tensor
-                unit.after_param_io = self.files[(unit.index, "param")].release_pages
-                unit.refresh_param_shard()
+                shard = self._file(unit, "param", params_dtype)
+                unit.set_param_shard(shard.tensor, shard.release_pages)
 
     def _too_small(self, need_numel: int) -> None:
         raise NvmePathError(
@@ -149,16 +148,6 @@ class NvmeStore:
                                                            unit.layout.shard_numel, dtype)
         return f
 
-    @staticmethod
-    def _point(unit: FlatUnit, master: torch.Tensor) -> None:
-        unit.master = master
-        for piece, where in zip(unit.pieces, unit.piece_of):
-            if piece is not None:
-                piece.data = master[where.shard_start:where.shard_start + where.length]
-
-    @property
-    def file_bytes(self) -> int:
-        return sum(f.nbytes for f in self.files.values())
 
     def chunks(self, units: Sequence[FlatUnit]) -> list[list[FlatUnit]]:
         """Consecutive units whose master and state fit one staging slot together."""
@@ -234,7 +223,7 @@ class NvmeStore:
         for unit, key, offset in layout:
             flat = staging[offset:offset + unit.layout.shard_numel]
             if key == "master":
-                self._point(unit, flat)
+                unit.set_master(flat)
             else:
                 self._point_state(optimizer, unit, key, flat)
 
@@ -256,7 +245,7 @@ class NvmeStore:
         for unit, key, _ in layout:
             target = self.files[(unit.index, key)].tensor
             if key == "master":
-                self._point(unit, target)
+                unit.set_master(target)
             else:
                 self._point_state(optimizer, unit, key, target)
         for unit, key, _ in created:

@@ -30,7 +30,7 @@ from .step import LossScaling, make_scaler, zero_step
 if TYPE_CHECKING:
     from ..engine import ZeroEngine
 
-__all__ = ["ZeroPrecision", "PRECISIONS"]
+__all__ = ["ZeroPrecision", "PRECISIONS", "to_zero_precision"]
 
 PRECISIONS = {
     "32-true": torch.float32, "32": torch.float32,
@@ -139,3 +139,17 @@ class ZeroPrecision(Precision):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.scaling.load_state_dict(state_dict)
+
+
+def to_zero_precision(plugin: Precision, config: ZeroConfig) -> ZeroPrecision:
+    """Turn Lightning's generic plugin (built from ``precision=``) into ours."""
+    if isinstance(plugin, ZeroPrecision):
+        if not plugin._config_explicit:
+            plugin.configure(config, explicit=False)
+        return plugin
+    name = str(getattr(plugin, "precision", "32-true"))
+    if type(plugin).__name__ not in ("Precision", "MixedPrecision", "HalfPrecision"):
+        raise TypeError(f"ZeroStrategy cannot run with the precision plugin {type(plugin).__name__} "
+                        f"(precision={name!r}); use precision='32-true', 'bf16-mixed', '16-mixed', 'bf16-true' or "
+                        f"'16-true', or pass lightning_zero.ZeroPrecision(...) in plugins=[...].")
+    return ZeroPrecision(name, config) if name.startswith("16") else ZeroPrecision(name)

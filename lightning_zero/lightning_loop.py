@@ -1,0 +1,80 @@
+"""What the Lightning loop will do, read off the Trainer and the module (public API only).
+
+The strategy turns these facts into engine policies: whether gradients may be freed at the
+step, whether the host may step during backward, and whether evaluation batches are even.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+__all__ = ["zero_grad_before_next_backward", "overlap_blocker", "check_even_batches", "replay_finetuning_restore"]
+
+_GRAD_HOOKS = ("on_after_backward", "on_before_optimizer_step")
+
+
+def _overridden(name: str, obj: Any, base: type) -> bool:
+    return getattr(type(obj), name, None) is not getattr(base, name, None)
+
+
+def zero_grad_before_next_backward(module: Any) -> bool:
+    """Automatic optimization with the stock ``optimizer_zero_grad`` clears the gradients before any next
+    backward: the engine may free them at the step (see [Note: when gradients are freed] in the engine)."""
+    import lightning.pytorch as pl
+
+    return bool(module.automatic_optimization) and not _overridden("optimizer_zero_grad", module, pl.LightningModule)
+
+
+def overlap_blocker(trainer: Any, module: Any, optimizers: list[Any], loss_scaling: bool) -> Optional[str]:
+    """Why the host step may not start during backward (None: it may): something between backward and
+    the step could still change the gradients, or the step happens elsewhere."""
+    import lightning.pytorch as pl
+
+    if len(optimizers) != 1:
+        return "several optimizers"
+    if not module.automatic_optimization:
+        return "manual optimization"
+    if trainer.gradient_clip_val:
+        return "gradient clipping"
+    if loss_scaling:
+        return "fp16 loss scaling"
+    for name in (*_GRAD_HOOKS, "configure_gradient_clipping", "optimizer_step"):
+        if _overridden(name, module, pl.LightningModule):
+            return f"the module overrides {name}"
+    for callback in trainer.callbacks:
+        for name in _GRAD_HOOKS:
+            if _overridden(name, callback, pl.Callback):
+                return f"{type(callback).__name__}.{name}"
+    return None
+
+
+def check_even_batches(loop: Any, stage: str, comm: Any, device: torch.device) -> None:
+    """Raise if ranks have different numbers of evaluation batches (one all-reduce per bound)."""
+    counts = [float(n) for n in getattr(loop, "max_batches", [])]
+    if comm.world_size == 1 or not counts or float("inf") in counts:
+        return  # unsized loaders: the collective timeout turns a mismatch into an error
+    mine = torch.tensor(counts, dtype=torch.float64, device=device)
+    high, low = comm.all_reduce(mine.clone(), op="max"), -comm.all_reduce(-mine, op="max")
+    if torch.equal(high, low):
+        return
+    raise RuntimeError(
+        f"ZeroStrategy(stage=3): ranks have different numbers of {stage} batches (this rank: "
+        f"{[int(c) for c in counts]}, between {[int(x) for x in low.tolist()]} and {[int(x) for x in high.tolist()]} "
+        f"across ranks). Every stage-3 forward gathers parameters on all ranks, so uneven batches would hang. Use "
+        f"Lightning's DistributedSampler (use_distributed_sampler=True, the default), make your sampler give every "
+        f"rank the same number of batches, or evaluate with stage 1/2.")
+
+
+def replay_finetuning_restore(trainer: Any, module: Any) -> None:
+    """Fine-tuning callbacks re-create the param groups they added in ``on_fit_start``. With a checkpoint
+    restored after setup their state loads after that hook, so the groups must be re-created now, before
+    the optimizer state that refers to them loads."""
+    from lightning.pytorch.callbacks import BaseFinetuning
+
+    from .lightning_compat import is_restarting
+
+    for callback in trainer.callbacks:
+        if isinstance(callback, BaseFinetuning) and is_restarting(callback):
+            callback.on_fit_start(trainer, module)
