@@ -186,10 +186,6 @@ class ZeroConfig:
     def offloads(self) -> bool:
         return self.offload_optimizer != "none" and self.offload_fraction > 0
 
-    @property
-    def uses_nvme(self) -> bool:
-        return self.offloads and "nvme" in (self.offload_optimizer, self.offload_params)
-
     def replace(self, **changes: Any) -> ZeroConfig:
         """A copy with ``changes`` applied (validated like a new config)."""
         _reject_unknown(changes)

@@ -12,7 +12,7 @@ import resource
 import sys
 import time
 
-from .checkpoint.consolidate import write_checkpoint, write_weights
+from .checkpoint.export import write_checkpoint, write_weights
 from .checkpoint.files import CheckpointPathError
 
 

@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_zero
 from lightning_zero import ZeroConfig, ZeroPrecision, ZeroStrategy
-from lightning_zero.checkpoint.consolidate import write_checkpoint
+from lightning_zero.checkpoint.export import write_checkpoint
 
 VOCAB = 37
 

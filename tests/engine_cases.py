@@ -215,9 +215,10 @@ def accumulation_error(rank: int, world: int, accum_dtype: str, micro: int = 64)
     engine.finish_grads()
     worst = 0.0
     for name, param in model.named_parameters():
-        piece, owned = engine.piece_of(param), engine.owned_range(param)
+        unit = engine.unit_of(param)
+        piece, span = engine.piece_of(param), unit.spans[next(i for i, p in enumerate(unit.params) if p is param)]
         if piece is None or piece.grad is None:
             continue
-        want = exact[name].reshape(-1)[owned[0]:owned[0] + owned[1]]
+        want = exact[name].reshape(-1)[span.param_start:span.param_start + span.length]
         worst = max(worst, float((piece.grad.double() - want).abs().max() / exact[name].abs().max()))
     return {"error": worst}

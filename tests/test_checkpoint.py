@@ -197,7 +197,7 @@ def test_save_checkpoint_after_fit_returns(tmp_path, strategy):
 
 # ---- consolidation: a sharded directory -> one ordinary file ---------------------------------------------
 def test_consolidate_equals_full_checkpoint(world2, ckpt_dir, tmp_path):
-    from lightning_zero.checkpoint.consolidate import write_checkpoint
+    from lightning_zero.checkpoint.export import write_checkpoint
 
     write_checkpoint(f"{ckpt_dir}/a.ckpt", tmp_path / "out.ckpt")
     out = torch.load(tmp_path / "out.ckpt", weights_only=False, mmap=True)

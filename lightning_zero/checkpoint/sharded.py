@@ -61,7 +61,7 @@ def _keys_of(module: nn.Module) -> dict[int, list[str]]:
 
 
 def _piece_values(unit: Any, slot: int) -> Optional[torch.Tensor]:
-    piece = unit.piece_of[slot]
+    piece = unit.spans[slot]
     return None if piece is None else unit.master.detach()[piece.shard_start:piece.shard_start + piece.length]
 
 

@@ -90,8 +90,9 @@ class ZeroEngine:
         self.units: list[FlatUnit] = []
         self._build_units(init_rng)
         self._prepare_buffers()
-        self.offloader = Offloader(self.units, config, self.device, compute_dtype, comm.rank) if config.offloads else None
         self._slot = {id(p): (u, i) for u in self.units for i, p in enumerate(u.params)}
+        self.offloader = (Offloader(self.units, config, self.device, compute_dtype, comm.rank, self.piece_of,
+                                    self.unit_of) if config.offloads else None)
         self._grad_slots: list[set[int]] = [set() for _ in self.units]  # slots whose parameter holds a gradient
         self.window = 0  # windows closed so far (see engine.grads [Note: the window])
         self.grad_bytes_at_step = 0
@@ -220,7 +221,7 @@ class ZeroEngine:
         which synchronized gradients (the first micro-batch of each accumulation window)."""
         if self.config.broadcast_buffers and self._sync_buffers_next:
             self.broadcast_buffers()
-        self._sync_buffers_next = torch.is_grad_enabled() and self.syncing
+        self._sync_buffers_next = torch.is_grad_enabled() and self.last_micro_batch
 
     @contextmanager
     def hold(self, group: nn.Module, until_backward_end: bool) -> Iterator[None]:
@@ -306,8 +307,7 @@ class ZeroEngine:
                 if unit.state is UnitState.UNSHARDED:
                     unit.gather_source()  # this rank's chunk of the device buffer; the others come at the step
 
-        self.offloader.enable_overlap(optimizer, self.routes.inner_step(optimizer), self.piece_of,
-                                      lambda p: self._slot[id(p)][0], fully_used, publish_own)
+        self.offloader.enable_overlap(optimizer, self.routes.inner_step(optimizer), fully_used, publish_own)
         self.reducer.on_late = self.offloader.overlap.late_gradient if self.offloader.overlap is not None else None
         return described + "overlaps backward"
 
@@ -328,9 +328,9 @@ class ZeroEngine:
             self.reducer.finish_backward()
 
     @property
-    def syncing(self) -> bool:
+    def last_micro_batch(self) -> bool:
         """False inside ``no_sync`` (a micro-batch before the last of a window)."""
-        return self.reducer.sync
+        return self.reducer.last_micro_batch
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -367,26 +367,18 @@ class ZeroEngine:
                 out.append(found)
         return out
 
+    def unit_of(self, param: nn.Parameter) -> FlatUnit:
+        return self._slot[id(param)][0]
+
     def piece_of(self, param: nn.Parameter) -> Optional[nn.Parameter]:
         unit, slot = self._slot[id(param)]
         return unit.pieces[slot]
-
-    def owned_range(self, param: nn.Parameter) -> Optional[tuple[int, int]]:
-        """(start, length) of the part of ``param`` (flattened) this rank's piece holds; None if none."""
-        unit, slot = self._slot[id(param)]
-        piece = unit.piece_of[slot]
-        return None if piece is None else (piece.param_start, piece.length)
 
     def grads(self, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
         """This rank's fp32 gradient pieces of ``optimizer``'s parameters (closes the window first)."""
         self.finish_grads()
         pieces = (u.pieces[s] for u, s in self.slots_of(optimizer))
         return [p.grad for p in pieces if p is not None and p.grad is not None]
-
-    def all_grads(self) -> list[torch.Tensor]:
-        """Every gradient piece of the window, whichever optimizer owns it."""
-        self.finish_grads()
-        return [p.grad for u in self.units for p in u.pieces if p is not None and p.grad is not None]
 
     def set_grad_scale(self, scale: float) -> None:
         """The coming backward's gradients are scaled by ``scale`` (fp16 loss scaling): they are stored
@@ -474,8 +466,7 @@ class ZeroEngine:
                 early = self.offloader.overlap.stepped if self.offloader.overlap is not None else set()
                 if self.comm.world_size == 1:  # their own chunk is the whole unit: already published
                     published.update(early)
-                out = self.offloader.step(optimizer, lambda: inner(**kwargs), self.piece_of,
-                                          lambda p: self._slot[id(p)][0], publish)
+                out = self.offloader.step(optimizer, lambda: inner(**kwargs), publish)
         else:
             with torch.no_grad(), pieces_in_groups(optimizer, self.piece_of):
                 out = inner(**kwargs)

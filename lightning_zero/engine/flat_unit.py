@@ -70,7 +70,7 @@ class FlatUnit:
     placeholders: list[torch.Tensor] = field(default_factory=list)
     master: Optional[torch.Tensor] = None
     pieces: list[Optional[nn.Parameter]] = field(default_factory=list)  # per slot
-    piece_of: list[Optional[Piece]] = field(default_factory=list)  # per slot
+    spans: list[Optional[Piece]] = field(default_factory=list)  # per slot: where this rank's piece lies (layout)
     grad_shard: Optional[torch.Tensor] = None
     grad_full: Optional[torch.Tensor] = None
     param_shard: Optional[torch.Tensor] = None  # offloaded stage-3 unit: compute-dtype shard to gather from
@@ -105,11 +105,11 @@ class FlatUnit:
             self.master = self.full[self.shard_slice]
         else:
             self.master = staging[self.shard_slice].clone()
-        self.piece_of = [None] * len(self.params)
+        self.spans = [None] * len(self.params)
         self.pieces = [None] * len(self.params)
         for piece in self.layout.pieces(self.rank):
             start = piece.shard_start
-            self.piece_of[piece.index] = piece
+            self.spans[piece.index] = piece
             self.pieces[piece.index] = nn.Parameter(self.master[start:start + piece.length], requires_grad=True)
         self.placeholders = [torch.empty((0, k + 1), dtype=self.compute_dtype, device=self.device)
                              for k in placeholder_ids]
@@ -122,7 +122,7 @@ class FlatUnit:
         """Make ``master`` (this rank's chunk, fp32) the unit's master: every piece becomes a view of it.
         The caller filled it (a host arena, a mapped file, a staging slot)."""
         self.master = master
-        for piece, where in zip(self.pieces, self.piece_of):
+        for piece, where in zip(self.pieces, self.spans):
             if piece is not None:
                 piece.data = master[where.shard_start:where.shard_start + where.length]
 
@@ -249,7 +249,7 @@ class FlatUnit:
         """This rank's piece of ``grad_shard`` for one parameter (the piece's ``.grad``)."""
         if self.grad_shard is None:  # next to the master: a piece and its gradient share a device
             self.grad_shard = torch.zeros(self.layout.shard_numel, dtype=torch.float32, device=self.master.device)
-        piece = self.piece_of[slot_index]
+        piece = self.spans[slot_index]
         return self.grad_shard[piece.shard_start:piece.shard_start + piece.length]
 
     def add_to_grad_shard(self, reduced: torch.Tensor, unscale: float = 1.0) -> None:

@@ -92,7 +92,7 @@ class GradientReducer:
         self.on_backward_end = on_backward_end
         self.sink = sink  # takes each reduced chunk (offload moves it to the host); None: the unit's grad shard
         self.on_late: Optional[Callable[[FlatUnit], None]] = None  # told of a late gradient (offload overlap)
-        self.sync = True  # False inside no_sync (stage 1 accumulates without reducing)
+        self.last_micro_batch = True  # False inside no_sync: a micro-batch before the last of its window
         self.grad_scale = 1.0  # the loss scale the gradients of this window carry (fp16; see precision.step)
         self._slot_of = {id(p): (u, i) for u in units for i, p in enumerate(u.params)}
         self._hooks: dict[int, object] = {}
@@ -125,16 +125,16 @@ class GradientReducer:
 
     @property
     def reduces_now(self) -> bool:
-        return self.sync or self.policy.shard_grads
+        return self.last_micro_batch or self.policy.shard_grads
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
         """Stage 1: accumulate full gradients locally; stage 2/3 still reduce (their memory promise)."""
-        self.sync = False
+        self.last_micro_batch = False
         try:
             yield
         finally:
-            self.sync = True
+            self.last_micro_batch = True
 
     def used_slots(self, unit: FlatUnit) -> set[int]:
         """Slots of ``unit`` that got a gradient on this rank in the open window."""
@@ -286,7 +286,7 @@ class GradientReducer:
             handle.wait()
         unscale = 1.0 / self.grad_scale
         if self.sink is not None:
-            self.sink(unit, out, self.sync, unscale)
+            self.sink(unit, out, self.last_micro_batch, unscale)
         else:
             unit.add_to_grad_shard(out, unscale)
         self._trace("done", unit.index)

@@ -12,11 +12,17 @@ would take 8 GiB).
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, Optional
 
 import torch
 
-__all__ = ["HostArena"]
+from ..partition import chunk_units
+from .flat_unit import FlatUnit
+
+__all__ = ["HostArena", "HostBackend", "HOST_STEP_CHUNK"]
+
+HOST_STEP_CHUNK = 64_000_000  # elements per host optimizer call: large enough that its overhead vanishes
 
 
 def _register(tensor: torch.Tensor) -> bool:
@@ -61,3 +67,36 @@ class HostArena:
     @property
     def nbytes(self) -> int:
         return self.flat.untyped_storage().nbytes()
+
+
+class HostBackend:
+    """The optimizer side of offloaded units in host memory: masters in one page-locked arena (the optimizer
+    creates its state next to them), a chunk stepped where it lies.
+
+    The same small interface as :class:`lightning_zero.engine.swap.NvmeBackend`: ``chunks`` groups units
+    into steps of ``HOST_STEP_CHUNK`` elements, ``run`` gives each chunk to ``body`` (here in place).
+    """
+
+    steps_in_place = True  # the overlap worker may step a unit as soon as its gradient landed
+
+    def __init__(self, units: Sequence[FlatUnit], pin: bool) -> None:
+        self.arena = HostArena([u.layout.shard_numel for u in units], torch.float32, pin)
+        for unit, host in zip(units, self.arena.views):
+            host.copy_(unit.master)
+            unit.set_master(host)
+
+    @property
+    def nbytes(self) -> int:
+        return self.arena.nbytes
+
+    def chunks(self, units: Sequence[FlatUnit]) -> list[list[FlatUnit]]:
+        return [[units[i] for i in chunk] for chunk in chunk_units([u.layout.shard_numel for u in units],
+                                                                   HOST_STEP_CHUNK)]
+
+    def run(self, optimizer: torch.optim.Optimizer, chunks: list[list[FlatUnit]],
+            body: Callable[[list[FlatUnit]], Optional[Any]]) -> None:
+        for chunk in chunks:
+            body(chunk)
+
+    def close(self) -> None:
+        pass

@@ -38,18 +38,19 @@ import torch
 from torch.profiler import record_function
 
 from ..config import ZeroConfig
-from ..partition import chunk_units, plan_offload
+from ..partition import plan_offload
 from .flat_unit import FlatUnit
-from .host import HostArena
+from .host import HOST_STEP_CHUNK, HostArena, HostBackend
 from .optim import pieces_in_groups
-from .swap import ASSUMED_STATE_KEYS, NvmeStore, resolve_nvme_dir
+from .overlap import OverlapWorker
+from .swap import ASSUMED_STATE_KEYS, NvmeBackend, resolve_nvme_dir
 
 __all__ = ["Offloader", "HOST_STEP_CHUNK"]
 
 log = logging.getLogger(__name__)
 
-HOST_STEP_CHUNK = 64_000_000  # elements per host optimizer call: large enough that its overhead vanishes
 _FUSABLE = tuple(getattr(torch.optim, n) for n in ("Adam", "AdamW", "SGD", "Adagrad") if hasattr(torch.optim, n))
+PieceOf = Callable[[Any], Any]
 
 
 class Offloader:
@@ -63,20 +64,18 @@ class Offloader:
     """
 
     def __init__(self, units: Sequence[FlatUnit], config: ZeroConfig, device: torch.device,
-                 compute_dtype: torch.dtype, rank: int = 0) -> None:
+                 compute_dtype: torch.dtype, rank: int, piece_of: PieceOf, unit_of: Callable[[Any], FlatUnit]) -> None:
         self.config = config
         self.device = device
         self.compute_dtype = compute_dtype
+        self.piece_of, self.unit_of = piece_of, unit_of  # parameter -> this rank's piece / its unit
         chosen = plan_offload([u.layout.shard_numel for u in units], config.offload_fraction)
         self.units = [units[i] for i in chosen]
         self.indices = {u.index for u in self.units}
         self._position = {u.index: i for i, u in enumerate(self.units)}
         self.cuda = device.type == "cuda"
         pin = config.pin_memory and self.cuda
-        sizes = [u.layout.shard_numel for u in self.units]
-        nvme_masters = config.offload_optimizer == "nvme"
-        self.masters = HostArena([] if nvme_masters else sizes, torch.float32, pin)
-        self.grads = HostArena(sizes, torch.float32, pin)
+        self.grads = HostArena([u.layout.shard_numel for u in self.units], torch.float32, pin)
         self.copy_stream = torch.cuda.Stream(device) if self.cuda else None  # device->host, stage-3 gathers
         self.up_stream = torch.cuda.Stream(device) if self.cuda else None  # host->device during backward
         self._copies: list[Any] = []  # events of device->host gradient copies not yet waited for
@@ -89,20 +88,24 @@ class Offloader:
         self.host_accumulation = config.offload_accumulation == "host"
         self._adder: Optional[_HostAdder] = None  # created at the first host accumulation
         self._announced: set[int] = set()  # units handed to the overlap this window (once each)
-        self.store: Optional[NvmeStore] = None
-        self.overlap: Optional[_Overlap] = None  # set by enable_overlap when the step may start in backward
+        self.overlap: Optional[OverlapWorker] = None  # set by enable_overlap when the step may start in backward
         self.stepped_in_backward = 0  # units stepped while backward ran (diagnostics, tests)
         self.seconds = {"host_step": 0.0, "wait_for_host": 0.0}  # summed over steps (diagnostics, benchmarks)
+        nvme_masters = config.offload_optimizer == "nvme"
         nvme_params = config.shard_params and config.offload_params == "nvme"
+        self.store: Optional[NvmeBackend] = None  # the NVMe files (masters and state, and/or parameter shards)
         if nvme_masters or nvme_params:
             per_elem = (4 * (1 + ASSUMED_STATE_KEYS) if nvme_masters else 0) + (compute_dtype.itemsize if nvme_params else 0)
             root = resolve_nvme_dir(config.nvme_path, per_elem * self.offloaded_numel)
-            self.store = NvmeStore(self.units, root, rank, config.nvme_buffer_bytes, pin, masters=nvme_masters,
-                                   params_dtype=compute_dtype if nvme_params else None)
-        if not nvme_masters:
-            self._move_masters()
-        if not nvme_params:
-            self._place_param_shards(pin)
+            self.store = NvmeBackend(self.units, root, rank, config.nvme_buffer_bytes, pin, masters=nvme_masters,
+                                     params_dtype=compute_dtype if nvme_params else None)
+        # where the optimizer side lives and steps (see the backends' common interface in engine.host)
+        self.backend: Any = self.store if nvme_masters else HostBackend(self.units, pin)
+        if config.shard_params and config.offload_params == "none":  # stage 3: a device shard to gather from
+            for unit in self.units:
+                unit.set_param_shard(torch.empty(unit.layout.shard_numel, dtype=compute_dtype, device=device))
+        # offload_params='cpu': gathers copy straight from the fp32 host master and convert on the device
+        # (a 16-bit host copy would cost the CPU a conversion pass every step, beside its optimizer step)
 
     @property
     def host_adds(self) -> int:
@@ -120,31 +123,11 @@ class Offloader:
                 f"(optimizer {self.config.offload_optimizer}, parameters {self.config.offload_params}"
                 f"{', pinned' if self.grads.pinned else ''})")
 
-    # ---- placement -------------------------------------------------------------------------
-    @torch.no_grad()
-    def _move_masters(self) -> None:
-        for unit, host in zip(self.units, self.masters.views):
-            host.copy_(unit.master)
-            unit.set_master(host)
-
-    @torch.no_grad()
-    def _place_param_shards(self, pin: bool) -> None:
-        """Stage 3: the compute-dtype shard each gather starts from (see [Note: what moves])."""
-        if not self.config.shard_params:
-            return
-        where = self.config.offload_params
-        # offload_params='cpu': gathers copy straight from the fp32 host master and convert on the device
-        # (a 16-bit host copy would cost the CPU a conversion pass every step, beside its optimizer step)
-        if where == "none":
-            for unit in self.units:
-                unit.set_param_shard(torch.empty(unit.layout.shard_numel, dtype=self.compute_dtype, device=self.device))
-
-    def enable_overlap(self, optimizer: torch.optim.Optimizer, inner: Callable[[], Any], piece_of: Callable[[Any], Any],
-                       unit_of: Callable[[Any], FlatUnit], fully_used: Callable[[FlatUnit], bool],
-                       publish_own: Callable[[list[FlatUnit]], None]) -> None:
+    def enable_overlap(self, optimizer: torch.optim.Optimizer, inner: Callable[[], Any],
+                       fully_used: Callable[[FlatUnit], bool], publish_own: Callable[[list[FlatUnit]], None]) -> None:
         """Step host units during backward (see [Note: the pipeline]); the caller checked that it is exact."""
-        if self.store is None or not self.store.masters:
-            self.overlap = _Overlap(self, optimizer, inner, piece_of, unit_of, fully_used, publish_own)
+        if self.backend.steps_in_place:
+            self.overlap = OverlapWorker(self, optimizer, inner, fully_used, publish_own)
 
     def disable_overlap(self) -> None:
         if self.overlap is not None:
@@ -216,7 +199,6 @@ class Offloader:
 
     # ---- the step -------------------------------------------------------------------------
     def step(self, optimizer: torch.optim.Optimizer, inner: Callable[[], Any],
-             piece_of: Callable[[Any], Any], unit_of: Callable[[Any], FlatUnit],
              publish: Callable[[list[FlatUnit]], None]) -> Any:
         """Step the device part, then the host part chunk by chunk, publishing each chunk at once."""
         early = self.overlap.drain() if self.overlap is not None else set()
@@ -225,18 +207,27 @@ class Offloader:
         units = [u for u in self.units if any(id(p) in mine for p in u.params) and u.index not in early]
 
         def on_device(p: Any) -> Any:
-            return None if unit_of(p).index in self.indices else piece_of(p)
+            return None if self.unit_of(p).index in self.indices else self.piece_of(p)
 
         with pieces_in_groups(optimizer, on_device), record_function("zero/device_step"):
             out = inner()
+        start = time.perf_counter()
+        self.step_units(optimizer, inner, units, publish)
+        self.seconds["host_step"] += time.perf_counter() - start
+        return out
 
-        def step_chunk(chunk: list[FlatUnit]) -> Any:
+    def step_units(self, optimizer: torch.optim.Optimizer, inner: Callable[[], Any], units: list[FlatUnit],
+                   publish: Callable[[list[FlatUnit]], None], label: str = "host_step") -> None:
+        """Step offloaded ``units`` through the backend, chunk by chunk, publishing each chunk once stepped:
+        the one body of the host step, after backward or (the overlap worker) during it."""
+
+        def body(chunk: list[FlatUnit]) -> Any:
             members = {u.index for u in chunk}
 
             def in_chunk(p: Any) -> Any:
-                return piece_of(p) if unit_of(p).index in members else None
+                return self.piece_of(p) if self.unit_of(p).index in members else None
 
-            with record_function(f"zero/host_step[units {chunk[0].index}-{chunk[-1].index}]"), \
+            with record_function(f"zero/{label}[units {chunk[0].index}-{chunk[-1].index}]"), \
                     pieces_in_groups(optimizer, in_chunk), self._fast_host_kernels(optimizer):
                 inner()
             with record_function("zero/publish"):
@@ -247,20 +238,15 @@ class Offloader:
             event.record()
             return event
 
-        start = time.perf_counter()
-        if self.store is not None and self.store.masters:
-            self.store.run(optimizer, self.store.chunks(units), step_chunk)
-        else:
-            for chunk in chunk_units([u.layout.shard_numel for u in units], HOST_STEP_CHUNK):
-                step_chunk([units[i] for i in chunk])
-        self.seconds["host_step"] += time.perf_counter() - start
-        return out
+        if units:
+            self.backend.run(optimizer, self.backend.chunks(units), body)
 
     def close(self) -> None:
         self.disable_overlap()
         if self._adder is not None:
             self._adder.close()
             self._adder = None
+        self.backend.close()
         if self.store is not None:
             self.store.close()
 
@@ -356,93 +342,3 @@ class _Pending:
 
     def synchronize(self) -> None:
         self.future.result()
-
-
-class _Overlap:
-    """Steps host units on a worker thread while backward runs (see [Note: the pipeline]).
-
-    Units whose final gradient was copied to the host queue up; every ``HOST_STEP_CHUNK`` elements
-    the worker waits for their copies, steps them with the optimizer restricted to their pieces and
-    copies their new values to the device. Units some of whose trainable parameters got no gradient
-    on this rank are left to the regular step (whether another rank used them is only agreed at the
-    window's end). ``drain`` steps what is queued and waits; it returns the units stepped.
-    """
-
-    def __init__(self, owner: Offloader, optimizer: torch.optim.Optimizer, inner: Callable[[], Any],
-                 piece_of: Callable[[Any], Any],
-                 unit_of: Callable[[Any], FlatUnit], fully_used: Callable[[FlatUnit], bool],
-                 publish_own: Callable[[list[FlatUnit]], None]) -> None:
-        self.owner, self.optimizer, self.inner = owner, optimizer, inner
-        self.piece_of, self.unit_of, self.fully_used, self.publish_own = piece_of, unit_of, fully_used, publish_own
-        self.mine = {id(p) for group in optimizer.param_groups for p in group["params"]}
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lz-host-step")
-        self.queued: list[tuple[FlatUnit, Any]] = []
-        self.queued_numel = 0
-        self.futures: list[Future] = []
-        self.stepped: set[int] = set()
-
-    def ready(self, unit: FlatUnit, event: Any) -> None:
-        if not self.fully_used(unit) or not all(id(p) in self.mine for p in unit.params if p.requires_grad):
-            return
-        self.queued.append((unit, event))
-        self.queued_numel += unit.layout.shard_numel
-        if self.queued_numel >= HOST_STEP_CHUNK:
-            self._submit()
-
-    def _submit(self) -> None:
-        batch, self.queued, self.queued_numel = self.queued, [], 0
-        if batch:
-            self.stepped.update(u.index for u, _ in batch)
-            self.futures.append(self.pool.submit(self._step, batch))
-
-    def _step(self, batch: list[tuple[FlatUnit, Any]]) -> None:
-        start = time.perf_counter()
-        try:
-            self._step_batch(batch)
-        finally:
-            self.owner.seconds["host_step"] += time.perf_counter() - start
-
-    def _step_batch(self, batch: list[tuple[FlatUnit, Any]]) -> None:
-        for _, event in batch:
-            if event is not None:
-                event.synchronize()
-        units = [u for u, _ in batch]
-        members = {u.index for u in units}
-        for unit in units:  # the pieces' gradients: what finish_grads gives them at the window's end
-            for slot, param in enumerate(unit.params):
-                if param.requires_grad:
-                    unit.give_grad(slot)
-
-        def in_batch(p: Any) -> Any:
-            return self.piece_of(p) if self.unit_of(p).index in members else None
-
-        with torch.no_grad(), record_function(f"zero/host_step_in_backward[units {units[0].index}-{units[-1].index}]"), \
-                pieces_in_groups(self.optimizer, in_batch), self.owner._fast_host_kernels(self.optimizer):
-            self.inner()
-        stream = self.owner.up_stream
-        if stream is None:
-            self.publish_own(units)
-            return
-        with torch.cuda.stream(stream):  # beside backward's kernels; the step's end makes compute wait for it
-            self.publish_own(units)
-
-    def drain(self) -> set[int]:
-        """Step what is still queued, wait for every batch; the indices of the units stepped this window."""
-        self._submit()
-        start = time.perf_counter()
-        for future in self.futures:
-            future.result()
-        self.owner.seconds["wait_for_host"] += time.perf_counter() - start
-        self.futures.clear()
-        if self.owner.up_stream is not None:
-            torch.cuda.current_stream(self.owner.device).wait_stream(self.owner.up_stream)
-        stepped, self.stepped = self.stepped, set()
-        self.owner.stepped_in_backward += len(stepped)
-        return stepped
-
-    def late_gradient(self, unit: FlatUnit) -> None:
-        if unit.index in self.stepped:
-            raise RuntimeError(
-                f"lightning_zero offload: parameters {unit.names[:3]} received a gradient after their unit had "
-                f"been stepped during backward (a parameter whose gradient arrives twice in one backward, e.g. "
-                f"under reentrant activation checkpointing). Set ZeroConfig(overlap_step=False).")

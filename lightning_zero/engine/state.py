@@ -174,7 +174,7 @@ def _gather_elementwise(engine: ZeroEngine, optimizer: torch.optim.Optimizer, un
                             device=engine.device)
         for index in indices:
             slot = slots[index][1]
-            piece, where = unit.pieces[slot], unit.piece_of[slot]
+            piece, where = unit.pieces[slot], unit.spans[slot]
             value = optimizer.state.get(piece, {}).get(key) if piece is not None else None
             if value is not None:
                 shard[where.shard_start:where.shard_start + where.length].copy_(value.reshape(-1))
@@ -209,7 +209,7 @@ def load_optimizer_state(engine: ZeroEngine, optimizer: Any, saved: dict[str, An
         group.update({k: v for k, v in saved_group.items() if k != "params"})
     group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
     for param_index, (unit, slot) in enumerate(slots):
-        piece, where = unit.pieces[slot], unit.piece_of[slot]
+        piece, where = unit.pieces[slot], unit.spans[slot]
         entry = saved["state"].get(index_of[param_index])
         if piece is None or not entry:
             continue

@@ -31,7 +31,7 @@ from torch.profiler import record_function
 from .flat_unit import FlatUnit
 from .host import HostArena
 
-__all__ = ["NvmePathError", "NvmeStore", "resolve_nvme_dir", "SLOTS"]
+__all__ = ["NvmePathError", "NvmeBackend", "resolve_nvme_dir", "SLOTS"]
 
 SLOTS = 3  # staging slots: stepping, reading ahead, writing behind
 ASSUMED_STATE_KEYS = 2  # before the first step: Adam's two moments
@@ -90,8 +90,13 @@ def _bytes_of(t: torch.Tensor) -> memoryview:
     return memoryview(t.detach().view(torch.uint8).numpy())
 
 
-class NvmeStore:
+class NvmeBackend:
     """The files and staging slots of one rank's NVMe-offloaded units.
+
+    With ``masters`` it is the offload backend of the optimizer side (the interface of
+    :class:`lightning_zero.engine.host.HostBackend`: ``chunks`` and ``run``, which stages each chunk
+    in from its files, steps it and writes it back); it may also hold only the stage-3 parameter-shard
+    files (``params_dtype``).
 
     Args:
         units: the offloaded units (their masters are still in memory when this is built).
@@ -112,6 +117,7 @@ class NvmeStore:
         # these finalizers; a normal interpreter exit runs them too.
         self._cleanup = multiprocessing.util.Finalize(self, shutil.rmtree, args=(str(self.dir), True),
                                                       exitpriority=10)
+        self.steps_in_place = False  # a unit's state is in its files until ``run`` stages it
         self.units = list(units)
         self.files: dict[tuple[int, str], MappedFile] = {}
         self.state_keys: list[str] = []
@@ -234,7 +240,7 @@ class NvmeStore:
         staged = staging.untyped_storage().data_ptr()
         for unit in units.values():
             by_key: dict[str, list] = {}
-            for piece, where in zip(unit.pieces, unit.piece_of):
+            for piece, where in zip(unit.pieces, unit.spans):
                 for key, value in (optimizer.state.get(piece, {}) if piece is not None else {}).items():
                     if _elementwise(value, piece) and value.untyped_storage().data_ptr() != staged:
                         by_key.setdefault(key, []).append((where, value))
@@ -268,7 +274,7 @@ class NvmeStore:
 
     @staticmethod
     def _point_state(optimizer: Any, unit: FlatUnit, key: str, flat: torch.Tensor) -> None:
-        for piece, where in zip(unit.pieces, unit.piece_of):
+        for piece, where in zip(unit.pieces, unit.spans):
             if piece is None:
                 continue
             state = optimizer.state.get(piece)

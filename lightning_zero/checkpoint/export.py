@@ -1,4 +1,4 @@
-"""A sharded checkpoint directory -> one ordinary Lightning checkpoint, or a plain state dict.
+"""Export a sharded checkpoint directory as one ordinary Lightning checkpoint, or a plain state dict.
 
 Runs in one process without a process group. Every tensor is read from the directory when
 the writer reaches it (:mod:`.stream`), so memory stays about the size of the largest tensor.
