@@ -2,13 +2,16 @@
 PY ?= python3
 PIP := $(PY) -m pip
 TORCH_PIN ?= torch==2.13.0
+# PyTorch's CPU index beside PyPI: pip then prefers 2.13.0+cpu (a few hundred MB) over PyPI's CUDA build (GBs);
+# where that index is unreachable, a local CPU wheel (pip's find-links) or PyPI's build is taken instead.
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 ARGS ?=
 
 .PHONY: setup train test parity-full lint bench-cpu
 
 # Keep a torch that is already installed (a CUDA build, say); install the CPU pin only when missing.
 setup:
-	@$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH_PIN)"
+	@$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH_PIN)" --extra-index-url "$(TORCH_CPU_INDEX)"
 	@$(PIP) install -q -e ".[test]"
 
 train: setup

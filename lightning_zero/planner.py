@@ -100,7 +100,8 @@ def estimate(num_params: int, config: Optional[ZeroConfig], hw: Hardware, *, com
             out.gpu_state = int(opt_side * (1 - f) + params_dev + gathered + bucket)
             out.gpu_buffers = int(gathered + bucket)
         else:
-            full_grads = 4 * n if config.stage == 1 else 0  # stage 1: a window's fp32 full gradients
+            # stage 1 accumulating: a window's full gradients (in grad_accum_dtype) live until its reduction
+            full_grads = _accum_bytes(config, p) * n if config.stage == 1 and accumulate > 1 else 0
             opt_side = (master + 4 + state_bytes) * shard  # fp32 compute: the parameter is the master
             out.gpu_state = int(p * n + full_grads + opt_side * (1 - f) + bucket)
             out.gpu_buffers = int(full_grads + bucket)
@@ -121,6 +122,11 @@ def estimate(num_params: int, config: Optional[ZeroConfig], hw: Hardware, *, com
                 and out.nvme * hw.gpus_per_node <= hw.nvme_bytes * HEADROOM + (0 if out.nvme else 1))
     _times(out, n, hw, tokens_per_step, accumulate)
     return out
+
+
+def _accum_bytes(config: ZeroConfig, compute_bytes: int) -> int:
+    name = config.grad_accum_dtype
+    return compute_bytes if name is None else (4 if name in ("fp32", "float32") else 2)
 
 
 def _name(config: ZeroConfig) -> str:

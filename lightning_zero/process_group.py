@@ -97,7 +97,7 @@ class ExitHook:
 
     def _run(self) -> None:
         if self.clean:
-            for engine in list(_kept_engines.values()):
+            for engine in kept_engines():
                 engine.end_gather_group()
             for comm in self.controls:
                 comm.close_control()
@@ -112,13 +112,21 @@ def _destroy_all() -> None:
 
 exit_hook = ExitHook()
 
-# module -> the stage-3 engine that still shards it after its fit (a later run unshards it first)
+# module -> the stage-3 engine that still shards it after its fit (a later run unshards it first). Weak on both
+# sides: a kept engine lives exactly as long as its module, which reaches it through the hooks and the routed
+# ``zero_grad`` the engine installed; when the user drops the module, both go (a strong value would keep the
+# module, its key, alive forever).
 _kept_engines: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def keep_engine(engine: ZeroEngine) -> None:
-    _kept_engines[engine.module] = engine
+    _kept_engines[engine.module] = weakref.ref(engine)
 
 
 def take_kept_engine(module: Any) -> Optional[ZeroEngine]:
-    return _kept_engines.pop(module, None) if module is not None else None
+    ref = _kept_engines.pop(module, None) if module is not None else None
+    return ref() if ref is not None else None
+
+
+def kept_engines() -> list[ZeroEngine]:
+    return [e for e in (ref() for ref in list(_kept_engines.values())) if e is not None]

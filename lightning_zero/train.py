@@ -1,7 +1,7 @@
 """The command-line entry point: ``python -m lightning_zero.train [hydra overrides]``.
 
-Trains the example GPT (``examples/gpt.py``) on the embedded character corpus
-(``examples/data.py``) under a ZeRO strategy, all configured from the ``conf/`` groups::
+Trains the demo GPT (``lightning_zero/demo/gpt.py``) on the embedded character corpus
+(``lightning_zero/demo/data.py``) under a ZeRO strategy, all configured from the ``conf/`` groups::
 
     python -m lightning_zero.train                                   # zero2, tiny GPT, 2 CPU ranks or all GPUs
     python -m lightning_zero.train strategy=zero1 trainer.devices=2 trainer.precision=bf16-mixed \\
@@ -18,7 +18,7 @@ re-runs ``python -m lightning_zero.train <same argv>`` once per extra rank, addi
 ``hydra.run.dir=<rank 0's dir>`` (so every rank writes under one output directory) and
 ``hydra.output_subdir=null`` (so only rank 0 saves the composed config). The children compose
 the same config from the same argv, hence build the same strategy. ``hydra.job.chdir`` stays
-false so relative paths (and the ``examples`` package at the repo root) resolve as typed.
+false so relative paths resolve as typed.
 """
 
 from __future__ import annotations
@@ -31,39 +31,24 @@ import typing
 from pathlib import Path
 from typing import Any, Optional
 
+import hydra
+import lightning.pytorch as pl
+import torch
+from hydra.core.config_store import ConfigStore
+from hydra.core.hydra_config import HydraConfig
+from hydra.utils import instantiate
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.loggers import CSVLogger
+from omegaconf import DictConfig, OmegaConf
+
+from lightning_zero.config import ZeroConfig, ZeroConfigError, field_names
+
 PACKAGE_DIR = Path(__file__).resolve().parent
 REPO_ROOT = PACKAGE_DIR.parent
 _IN_CHECKOUT = (REPO_ROOT / "pyproject.toml").is_file() and (REPO_ROOT / "conf" / "config.yaml").is_file()
-# A checkout (or editable install) reads conf/ and the top-level ``examples`` package in place; a
-# wheel carries them inside the package (lightning_zero/conf, lightning_zero/_examples: see
-# pyproject's package-dir) and ``examples`` is made an alias of the bundled copy, so the configs'
-# ``_target_: examples.gpt.GPTModule`` resolve the same way in both.
+# A checkout (or editable install) reads conf/ in place; a wheel carries it inside the package
+# (lightning_zero/conf: see pyproject's package-dir). The model and data are lightning_zero.demo.
 CONF_DIR = REPO_ROOT / "conf" if _IN_CHECKOUT else PACKAGE_DIR / "conf"
-
-
-def _make_examples_importable() -> None:
-    if _IN_CHECKOUT:
-        if str(REPO_ROOT) not in sys.path:  # started from another directory
-            sys.path.insert(0, str(REPO_ROOT))
-    elif "examples" not in sys.modules:
-        import importlib
-
-        sys.modules["examples"] = importlib.import_module("lightning_zero._examples")
-
-
-_make_examples_importable()
-
-import hydra  # noqa: E402  (after the sys.path fix-up on purpose)
-import lightning.pytorch as pl  # noqa: E402
-import torch  # noqa: E402
-from hydra.core.config_store import ConfigStore  # noqa: E402
-from hydra.core.hydra_config import HydraConfig  # noqa: E402
-from hydra.utils import instantiate  # noqa: E402
-from lightning.pytorch.callbacks import Callback  # noqa: E402
-from lightning.pytorch.loggers import CSVLogger  # noqa: E402
-from omegaconf import DictConfig, OmegaConf  # noqa: E402
-
-from lightning_zero.config import ZeroConfig, ZeroConfigError, field_names  # noqa: E402
 
 __all__ = ["main", "run", "build_strategy", "resolve_devices", "check_overrides", "zero_schema",
            "register_schema", "strategy_options", "strategy_yaml", "write_strategy_yamls"]

@@ -153,14 +153,17 @@ def count_traffic(rank: int, world: int, stage: int) -> dict:
     comm = Comm.from_group()
     engine = ZeroEngine(model, [optimizer], config, comm, "cpu")
     x = torch.randn(8, 32)
+    from traffic_tap import tap
+
     for _ in range(2):  # the second step is counted: nothing left from building the engine
         comm.reset_counters()
-        model(x).square().mean().backward()
-        optimizer.step()
-        optimizer.zero_grad()
+        with tap() as wire:
+            model(x).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
     padded_bytes = sum(u.layout.padded_numel * 4 for u in engine.units)
     return {"moved": dict(comm.bytes_moved), "padded_bytes": padded_bytes,
-            "params": numel}
+            "params": numel, "wire": dict(wire)}
 
 
 def launch_schedule(rank: int, world: int, overlap: bool) -> dict:

@@ -9,7 +9,7 @@ import time
 import lightning.pytorch as pl
 import torch
 from checkpoint_cases import FIRST, TOTAL, fit_steps
-from lightning_cases import MemoryProbe, fit_case
+from lightning_cases import fit_case
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -70,7 +70,19 @@ def parity_cases(nvme_dir: str) -> dict:
 
 def run_parity(rank: int, world: int, nvme_dir: str) -> dict:
     cases = parity_cases(nvme_dir)
-    return {name: fit_case(rank, world, *args, **kwargs) for name, (args, kwargs) in cases.items()}
+    out = {name: fit_case(rank, world, *args, **kwargs) for name, (args, kwargs) in cases.items()}
+    # the overlap worker handed units while backward still runs, as with a large model on a GPU (here the units
+    # are far below HOST_STEP_CHUNK, so without this every batch would wait for the drain at the step)
+    from lightning_zero.engine import overlap
+
+    chunk, overlap.HOST_STEP_CHUNK = overlap.HOST_STEP_CHUNK, 64
+    try:
+        for name in ("zero2_overlap", "zero3_overlap"):
+            args, kwargs = cases[name]
+            out[name + "_small_chunks"] = fit_case(rank, world, *args, **kwargs)
+    finally:
+        overlap.HOST_STEP_CHUNK = chunk
+    return out
 
 
 def run_checkpoints(rank: int, world: int, d: str, nvme_dir: str) -> dict:
@@ -143,8 +155,46 @@ def rss_case(rank: int, world: int, layers: int, options: dict) -> dict:
     return {"growth": rss.peak - before, "numel": sum(p.numel() for p in module.parameters())}
 
 
+class _Measure(pl.Callback):
+    """At the second step: the live storages, split into the offloaded units' host side (their arenas and the
+    optimizer state of their pieces) and the rest, beside the strategy's planned figures."""
+
+    def __init__(self) -> None:
+        self.seen: dict = {}
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        if trainer.global_step != 1:
+            return
+        from storage_probe import live_storages, split_host
+
+        engine = trainer.strategy.engine
+        storages = live_storages(p.grad for p in pl_module.parameters())
+        host: list[torch.Tensor] = []
+        files: list[torch.Tensor] = []  # NVMe: tensors mapped from files (their pages are the disk's)
+        off = engine.offloader
+        if off is not None:
+            host.append(off.grads.flat)
+            if off.store is not None:
+                files += [f.tensor for f in off.store.files.values()]
+                host.append(off.store.staging.flat)
+            else:
+                host.append(off.backend.arena.flat)
+            pieces = {id(q) for u in off.units for q in u.pieces if q is not None}
+            state = [t for k, v in optimizer.state.items() if id(k) in pieces for t in v.values()
+                     if isinstance(t, torch.Tensor) and t.dim() > 0]
+            (files if off.store is not None and off.store.masters else host).extend(state)
+        file_bytes, rest = split_host(storages, files)
+        host_bytes, device_bytes = split_host({p: n for p, n in storages.items() if p not in
+                                               {t.untyped_storage().data_ptr() for t in files}}, host)
+        report = trainer.strategy.memory_report().as_dict()
+        staging = engine.config.nvme_buffer_bytes if engine.config.offload_optimizer == "nvme" else 0
+        self.seen = {"host": host_bytes, "device": device_bytes, "files": file_bytes, "num_params": report["num_params"],
+                     "planned_device": report["planned_device_bytes"],
+                     "planned_host": report["planned_host_bytes"] + staging, "planned_nvme": report["planned_nvme_bytes"]}
+
+
 def planner_case(rank: int, world: int, runs: dict) -> dict:
-    """The memory report (measured storages and the planner's figures) of ``Wide(16)`` under each config."""
+    """What lightning_zero.estimate plans for ``Wide(16)`` under each config, beside the storages really alive."""
     assert lightning_zero
     out = {}
     for name, options in runs.items():
@@ -153,7 +203,7 @@ def planner_case(rank: int, world: int, runs: dict) -> dict:
         data = DataLoader(TensorDataset(torch.randn(16, 512)), batch_size=2)
         trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=ZeroStrategy(config=ZeroConfig(**options)),
                              precision="bf16-mixed", max_steps=3, logger=False, enable_checkpointing=False,
-                             enable_progress_bar=False, enable_model_summary=False, callbacks=[probe := MemoryProbe()])
+                             enable_progress_bar=False, enable_model_summary=False, callbacks=[probe := _Measure()])
         trainer.fit(module, data)
-        out[name] = probe.reports[-1]
+        out[name] = probe.seen
     return out

@@ -27,6 +27,8 @@ import lightning_zero
 from lightning_zero import ZeroConfig, ZeroStrategy
 
 STRATEGIES = ("zero1", "zero2", "zero3", "zero2_offload", "zero3_offload")
+# on 4 ranks too (fp32, accumulation 2, clipping on): one pattern of each kind
+WORLD4_PATTERNS = ("gpt_tied", "gan", "shared_loss", "lora", "backbone_ft", "moe", "batchnorm", "hf_gpt2")
 SLICES = 2
 FP32_TOL = 1e-5
 
@@ -38,14 +40,16 @@ class Cell:
     precision: str  # "32-true" | "bf16-mixed"
     accumulate: int
     clip: bool
+    world: int = 2
 
     @property
     def name(self) -> str:
-        return f"{self.pattern}-{self.strategy}-{self.precision}-acc{self.accumulate}-{'clip' if self.clip else 'noclip'}"
+        return (f"{self.pattern}-{self.strategy}-{self.precision}-acc{self.accumulate}-{'clip' if self.clip else 'noclip'}"
+                + (f"-world{self.world}" if self.world != 2 else ""))
 
     def with_(self, **changes) -> Cell:
         fields = dict(pattern=self.pattern, strategy=self.strategy, precision=self.precision,
-                      accumulate=self.accumulate, clip=self.clip)
+                      accumulate=self.accumulate, clip=self.clip, world=self.world)
         return Cell(**{**fields, **changes})
 
     @property
@@ -62,6 +66,8 @@ def all_cells() -> list[Cell]:
                 for accumulate in (1, 2):
                     for clip in (False, True):
                         cells.append(Cell(pattern, strategy, precision, accumulate, clip))
+    cells += [Cell(pattern, strategy, "32-true", 2, True, world=4) for pattern in WORLD4_PATTERNS
+              for strategy in STRATEGIES]
     return cells
 
 

@@ -286,6 +286,14 @@ class Manual(Pattern):
             self.clip_gradients(opt, gradient_clip_val=CLIP, gradient_clip_algorithm="norm")
         opt.step()
 
+    def train_on(self, opt, loss: torch.Tensor, batch_idx: int) -> None:
+        """``opt.zero_grad()`` at a window's start, backward, step at its end: what users write."""
+        if self.begin(batch_idx):
+            opt.zero_grad()
+        self.backward_scaled(loss)
+        if self.end(batch_idx):
+            self.clipped_step(opt)
+
 
 class GAN(Manual):
     """Generator and discriminator; the generator's loss also writes the discriminator's gradients."""
@@ -308,18 +316,10 @@ class GAN(Manual):
         with self._toggled(opt_d):
             d_loss = (nn.functional.softplus(-self.disc(real)).mean()
                       + nn.functional.softplus(self.disc(fake.detach())).mean())
-            if self.begin(batch_idx):
-                opt_d.zero_grad()
-            self.backward_scaled(d_loss)
-            if self.end(batch_idx):
-                self.clipped_step(opt_d)
+            self.train_on(opt_d, d_loss, batch_idx)
         with self._toggled(opt_g):
-            g_loss = nn.functional.softplus(-self.disc(fake)).mean()
-            if self.begin(batch_idx):
-                opt_g.zero_grad()
-            self.backward_scaled(g_loss)
-            if self.end(batch_idx):
-                self.clipped_step(opt_g)
+            g_loss = nn.functional.softplus(-self.disc(fake)).mean()  # also writes the discriminator's gradients
+            self.train_on(opt_g, g_loss, batch_idx)
         self.record(d_loss, g_loss)
 
     def _toggled(self, opt):
@@ -387,17 +387,9 @@ class WGANGP(GAN):
         (grad,) = torch.autograd.grad(self.disc(interp).sum(), interp, create_graph=True)
         penalty = ((grad.norm(2, dim=1) - 1) ** 2).mean()
         d_loss = self.disc(fake.detach()).mean() - self.disc(real).mean() + 10.0 * penalty
-        if self.begin(batch_idx):
-            opt_d.zero_grad()
-        self.backward_scaled(d_loss)
-        if self.end(batch_idx):
-            self.clipped_step(opt_d)
+        self.train_on(opt_d, d_loss, batch_idx)
         g_loss = -self.disc(fake).mean()
-        if self.begin(batch_idx):
-            opt_g.zero_grad()
-        self.backward_scaled(g_loss)
-        if self.end(batch_idx):
-            self.clipped_step(opt_g)
+        self.train_on(opt_g, g_loss, batch_idx)
         self.record(d_loss, g_loss)
 
     def configure_optimizers(self):

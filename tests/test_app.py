@@ -230,7 +230,7 @@ def test_app_from_an_installed_wheel(tmp_path: Path) -> None:
     work = tmp_path / "work"
     work.mkdir()
     env = {k: v for k, v in job_env().items() if k != "PYTHONPATH"}
-    where = subprocess.run([str(venv / "bin" / "python"), "-c", "import lightning_zero.train as t, examples.gpt as g;"
+    where = subprocess.run([str(venv / "bin" / "python"), "-c", "import lightning_zero.train as t, lightning_zero.demo.gpt as g;"
                             "print(t.CONF_DIR); print(g.__file__)"], cwd=work, env=env, capture_output=True,
                            text=True, timeout=120)
     assert where.returncode == 0, where.stderr[-3000:]

@@ -11,11 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:  # `examples` is a top-level package of the checkout, not installed
-    sys.path.insert(0, str(REPO_ROOT))
-
-from examples.data import (  # noqa: E402
+from lightning_zero.demo.data import (
     CORPUS_MODULES,
     FALLBACK_PATH,
     CharDataModule,
@@ -24,7 +20,9 @@ from examples.data import (  # noqa: E402
     corpus_digest,
     split_blocks,
 )
-from examples.gpt import GPT, GPTModule, param_groups, warmup_cosine  # noqa: E402
+from lightning_zero.demo.gpt import GPT, GPTModule, param_groups, warmup_cosine
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 TINY = dict(vocab_size=50, seq_len=16, n_layer=2, n_head=2, d_model=32)
 
@@ -41,7 +39,7 @@ def test_corpus_is_large_real_english_and_deterministic() -> None:
 
 def test_corpus_same_in_a_fresh_interpreter() -> None:
     """Another process (other hash seed, other import order) builds the same text."""
-    code = "from examples.data import build_corpus, corpus_digest; print(corpus_digest(build_corpus()))"
+    code = "from lightning_zero.demo.data import build_corpus, corpus_digest; print(corpus_digest(build_corpus()))"
     env = {**os.environ, "PYTHONHASHSEED": "12345", "PYTHONPATH": str(REPO_ROOT)}
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
                          check=True, timeout=120)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from dist_utils import run_ranks
 from lightning_cases import fit_case
-from parity import assert_parity, global_l2_err, loss_err, rel_err, state_err
+from parity import assert_16bit_close, assert_parity, rel_err, state_err
 
 LM = dict(accumulate=2, clip_val=0.5)
 CASES = {
@@ -60,12 +60,11 @@ def test_eval_after_fit_and_weights_handed_back(world2):
 
 @pytest.mark.slow
 def test_bf16_close_to_ddp_autocast(world2):
-    # bf16 parameters vs DDP's fp32 parameters under autocast: equal up to bf16 rounding, and the
-    # two ZeRO stages (same math, different reduction grouping) agree far more closely.
+    # bf16 parameters vs DDP's fp32 parameters under autocast: as close to fp32 training as DDP's bf16 is
+    # (see parity.SIXTEEN_BIT_FACTOR)
     for results in world2:
-        assert loss_err(results["zero2_bf16"]["losses"], results["ddp_bf16"]["losses"]) < 3e-2
-        assert global_l2_err(results["zero2_bf16"]["state"], results["ddp_bf16"]["state"]) < 1e-2
-        assert global_l2_err(results["zero1_bf16"]["state"], results["zero2_bf16"]["state"]) < 2e-3
+        for name in ("zero1_bf16", "zero2_bf16"):
+            assert_16bit_close(results[name], results["ddp_bf16"], results["ddp"])
         assert results["zero2_bf16"]["dtype"] == "torch.float32"
 
 

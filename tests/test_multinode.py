@@ -81,7 +81,7 @@ def test_two_nodes_exit_zero(jobs, strategy):
 def test_gloo_workers_joined_before_finalization(jobs, strategy):
     # A gloo worker alive during interpreter finalization can abort a finished job (SIGABRT,
     # "terminate called without an active exception"): see [Note: destroy the group at exit] in
-    # strategy.py. The race is rare; what prevents it is checked every time: when the last exit
+    # lightning_zero/process_group.py. The race is rare; what prevents it is checked every time: when the last exit
     # handler runs, no process group (and so no gloo worker thread) is left.
     out, results = jobs
     assert all(code == 0 for code, _ in results[strategy])

@@ -7,16 +7,13 @@ from __future__ import annotations
 import parity_matrix as pm
 import pytest
 from dist_utils import run_ranks
+from parity import SIXTEEN_BIT_FACTOR
 from parity_matrix import Cell
 
 SLICE = pm.chosen_slice()
 CELLS = pm.cells_of_slice(SLICE)
 GROUPS = pm.groups(CELLS)
-# bf16-mixed here stores 16-bit parameters and gradients (DDP's bf16-mixed keeps fp32 parameters). Over all 80
-# bf16 cells, a ZeRO run's global distance from fp32 DDP was at most 4.0x DDP-bf16's own distance from fp32 DDP
-# (losses, weights and optimizer state; measured 2026-12-04). The bound leaves half as much again; a learning
-# rate 3% off already lands at 7.1x (test_bf16_bound_catches_a_learning_rate_three_percent_off).
-BF16_FACTOR = 6.0
+BF16_FACTOR = SIXTEEN_BIT_FACTOR  # see parity.py: the measured bound and its negative control (below)
 _results: dict[Cell, object] = {}
 
 
@@ -24,8 +21,8 @@ def _group(reference: Cell) -> list:
     if reference not in _results:
         extra = [reference.with_(precision="32-true")] if reference.precision != "32-true" else []
         try:
-            _results[reference] = run_ranks(pm.run_group, 2, reference, GROUPS[reference], extra, lightning=True,
-                                            timeout=600)
+            _results[reference] = run_ranks(pm.run_group, reference.world, reference, GROUPS[reference], extra,
+                                            lightning=True, timeout=600)
         except Exception as err:  # noqa: BLE001 - every cell of the group reports it
             _results[reference] = err
     found = _results[reference]

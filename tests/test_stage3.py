@@ -7,7 +7,7 @@ import torch
 from dist_utils import run_ranks
 from engine_cases import count_traffic, run_cases
 from lightning_cases import fit_case, init_module_case, meta_init_case, uneven_eval_case
-from parity import assert_parity, global_l2_err, state_err
+from parity import assert_16bit_close, assert_parity, state_err
 
 LINEAR = dict(wrap_modules=("Linear",), param_persistence_threshold=0)
 ENGINE_VARIANTS = {
@@ -45,6 +45,15 @@ def test_traffic_is_3_psi_for_stage3_and_2_psi_for_stage2():
     psi2, psi3 = two["padded_bytes"], three["padded_bytes"]
     assert two["moved"] == {"reduce_scatter": psi2, "all_gather": psi2}  # gradients down, parameters up
     assert three["moved"] == {"reduce_scatter": psi3, "all_gather": 2 * psi3}  # gathered for forward and backward
+    # what really crossed torch.distributed (a tap on ProcessGroup itself, whoever called): the same bytes,
+    # plus only small control messages (the window's agreement flags)
+    for run in (two, three):
+        wire = dict(run["wire"])
+        big = {k: v for k, v in wire.items() if v > run["padded_bytes"] // 100}
+        collective = {k: v for k, v in big.items() if "gather" in k or "scatter" in k}
+        assert sum(collective.values()) == sum(run["moved"].values()), (wire, run["moved"])
+        assert big.keys() == collective.keys(), wire
+        assert sum(v for k, v in wire.items() if k not in collective) < run["padded_bytes"] // 100, wire
 
 
 LM = dict(accumulate=2, clip_val=0.5)
@@ -93,24 +102,9 @@ def test_lightning_stage3_matches_ddp(lightning2, run, ref):
 @pytest.mark.slow
 def test_lightning_stage3_mixed_precision(lightning2):
     for results in lightning2:
-        assert global_l2_err(results["zero3_bf16"]["state"], results["ddp_bf16"]["state"]) < 1e-2
+        assert_16bit_close(results["zero3_bf16"], results["ddp_bf16"], results["ddp"])
         fp16 = results["zero3_fp16"]
         assert fp16["global_step"] > 0 and all(torch.isfinite(v).all() for v in fp16["state"].values())
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("world", [2, 4])
-def test_model_state_memory_is_16_psi_over_n(world):
-    # fp32 + AdamW: 4 (parameter shard, also the master) + 4 (gradient shard) + 8 (moments) bytes / N
-    names = ["zero3"]
-    for results in run_ranks(_fit_many, world, names, lightning=True):
-        report = results["zero3"]["memory"][-1]
-        psi = report["num_params"]
-        expected = 16 * psi / world
-        # This 9.4k-parameter model pays ~6% for alignment padding and one AdamW step counter per
-        # parameter tensor; both are fixed costs that vanish at real sizes.
-        assert abs(report["model_state_bytes"] - expected) / expected < 0.08, str(report)
-        assert report["formula_paper_bytes"] == int(expected)
 
 
 @pytest.mark.slow

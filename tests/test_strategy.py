@@ -296,26 +296,14 @@ def test_lightning_module_state_dict_full_on_every_rank(world2, precision):
         assert torch.equal(r0["full"][key], r1["full"][key]), key
 
 
-def test_memory_report_stage2(world2):
+def test_memory_report_speaks_in_the_papers_terms(world2):
+    # the figures themselves are checked against the live storages in tests/test_memory_measured.py
     for r in world2:
-        rep, psi, text = r["memory2"]["report"], r["memory2"]["psi"], r["memory2"]["text"]
-        assert rep["num_params"] == psi and rep["world_size"] == 2 and rep["stage"] == 2
-        assert isinstance(text, str) and "stage 2" in text and "2Ψ + 14Ψ/N" in text
-        sharded = rep["gradients_bytes"] + rep["fp32_master_bytes"] + rep["optimizer_state_bytes"]
-        assert rep["gradients_bytes"] > 0 and rep["optimizer_state_bytes"] > 0
-        assert sharded == pytest.approx((4 + 8) * psi / 2, rel=0.1)
-        assert rep["parameters_bytes"] == pytest.approx(4 * psi, rel=0.1)
-        assert rep["model_state_bytes"] == pytest.approx(rep["formula_ours_bytes"], rel=0.1)
-
-
-def test_memory_report_stage1(world2):
-    for r in world2:
-        rep, psi, text = r["memory1"]["report"], r["memory1"]["psi"], r["memory1"]["text"]
-        assert "stage 1" in text and "4Ψ + 12Ψ/N" in text
-        assert rep["gradients_bytes"] == pytest.approx(4 * psi / 2, rel=0.1)  # the shard, at the step
-        assert rep["window_gradients_bytes"] == pytest.approx(4 * psi, rel=0.1)  # fp32 full buffers of the window
-        assert rep["optimizer_state_bytes"] == pytest.approx(8 * psi / 2, rel=0.1)
-        assert rep["model_state_bytes"] == pytest.approx(rep["formula_ours_bytes"], rel=0.1)
+        for key, stage, paper in (("memory1", 1, "4Ψ + 12Ψ/N"), ("memory2", 2, "2Ψ + 14Ψ/N")):
+            rep, psi, text = r[key]["report"], r[key]["psi"], r[key]["text"]
+            assert rep["num_params"] == psi and rep["world_size"] == 2 and rep["stage"] == stage
+            assert f"stage {stage}" in text and paper in text
+            assert rep["gradients_bytes"] > 0 and rep["optimizer_state_bytes"] > 0
 
 
 def test_metrics_and_sync_dist_match_ddp(world2):

@@ -33,12 +33,14 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
+from bench_out import out_dir
 from lightning.pytorch.callbacks import Callback
 
 sys.path.insert(0, str(Path(__file__).parent))
 import gpt_bench  # noqa: E402
 
 GiB = float(2**30)
+
 
 
 def rss() -> int:
@@ -137,7 +139,7 @@ def main() -> int:
         row = {"phase": mine.phase, "strategy": a.strategy, "settings": settings, "tag": a.tag,
                "params": module.params_counted, "host_rss_peak_gib": rss() / GiB, **probe.out}
         print("RESULT " + json.dumps(row), flush=True)
-        with open(os.path.join(os.environ.get("OUT", "."), "ckpt.jsonl"), "a") as f:
+        with open(os.path.join(out_dir(), "ckpt.jsonl"), "a") as f:
             f.write(json.dumps(row) + "\n")
         if mine.phase == "restore":
             shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)

@@ -21,6 +21,8 @@ import subprocess
 import sys
 import time
 
+from bench_out import out_dir
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 BENCH = os.path.join(HERE, "gpt_bench.py")
 
@@ -93,7 +95,7 @@ def main() -> int:
     ap.add_argument("--target", type=float, default=1.15, help="zero2 / ddp step-time ratio to meet")
     ap.add_argument("--deadline", type=float, default=290, help="seconds; later runs are skipped")
     ap.add_argument("--timeout", type=float, default=150, help="seconds per run")
-    ap.add_argument("--log", default=os.path.join(os.environ.get("OUT", "."), "cpu_step.log"),
+    ap.add_argument("--log", default=os.path.join(out_dir(), "cpu_step.log"),
                     help="full output of every run ('' for none)")
     ap.add_argument("--strict", action="store_true", help="exit 1 when zero2 misses the target or fails")
     a = ap.parse_args()

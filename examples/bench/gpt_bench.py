@@ -43,6 +43,7 @@ import lightning.pytorch as pl
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from bench_out import out_dir
 from lightning.pytorch.callbacks import Callback
 from torch.utils.checkpoint import checkpoint
 
@@ -561,7 +562,7 @@ def main(argv=None) -> int:
             return 0 if rec["status"] == "ok" else 1
         line = json.dumps(jsonable(rec))
         print("RESULT " + line, flush=True)
-        with open(os.path.join(os.environ.get("OUT", "."), "results.jsonl"), "a") as f:
+        with open(os.path.join(out_dir(), "results.jsonl"), "a") as f:
             f.write(line + "\n")
         return 0 if rec["status"] == "ok" else 1
 

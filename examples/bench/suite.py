@@ -23,9 +23,11 @@ import sys
 import threading
 import time
 
+from bench_out import out_dir
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 BENCH = os.path.join(HERE, "gpt_bench.py")
-OUT = os.environ.get("OUT", ".")
+OUT = out_dir()
 
 M13 = ["--layers", "24", "--d-model", "2048", "--heads", "16", "--seq", "2048", "--batch", "8"]
 M27 = ["--layers", "32", "--d-model", "2560", "--heads", "20", "--seq", "2048", "--batch", "8"]

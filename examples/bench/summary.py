@@ -8,6 +8,8 @@ import json
 import os
 import sys
 
+from bench_out import out_dir
+
 FIELDS = (("status", "status"), ("params_b", "params B"), ("tokens_per_s", "tok/s"), ("mfu", "mfu"),
           ("step_s_median", "median step s"), ("gpu_peak_alloc_gib", "alloc"), ("plan_gpu_total_gib", "planned"),
           ("gpu_peak_reserved_gib", "reserved"), ("host_peak_rss_gib", "host rss"), ("plan_host_gib", "planned"),
@@ -23,7 +25,7 @@ def line(record: dict) -> str:
 
 
 def main(paths: list[str]) -> int:
-    for path in paths or [os.path.join(os.environ.get("OUT", "."), "results.jsonl")]:
+    for path in paths or [os.path.join(out_dir(), "results.jsonl")]:
         if os.path.exists(path):
             for text in open(path):
                 if text.strip():

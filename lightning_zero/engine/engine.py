@@ -454,7 +454,6 @@ class ZeroEngine:
         optimizer = unwrap(optimizer)
         self.finish_grads()
         inner = self.routes.inner_step(optimizer)
-        stepped = self._units_with_grads(optimizer)
         self.grad_bytes_at_step = sum(u.grad_shard.numel() * 4 for u in self.units if u.grad_shard is not None)
         published: set[int] = set()
         if self.offloader is not None:
@@ -470,6 +469,9 @@ class ZeroEngine:
         else:
             with torch.no_grad(), pieces_in_groups(optimizer, self.piece_of):
                 out = inner(**kwargs)
+        # read the groups only now: until the offloader's step has drained it, the overlap worker may be
+        # stepping (with this rank's pieces in the groups) on its thread
+        stepped = self._units_with_grads(optimizer)
         self.republish([u for u in stepped if u.index not in published])
         if self.free_grads_at_step:
             self._drop_grads(self.slots_of(optimizer))

@@ -12,7 +12,8 @@
   ``master`` holding exactly that part. The user's optimizer steps the pieces, so each
   parameter keeps its own optimizer state, step count and ``grad is None`` semantics.
 - ``grad_shard`` 1D fp32, this rank's chunk of the reduced gradient (pieces' ``.grad``
-  are views of it); alive from the first reduction of a window until the step consumes it.
+  are views of it); alive from the first reduction of a window until the owning optimizer's
+  ``zero_grad()`` (or the step, see [Note: when gradients are freed] in the engine).
 - ``grad_full`` 1D, padded: the gradient buffer that hooks copy into and that is
   reduce-scattered; transient per micro-batch in stages 2/3, kept across the accumulation
   window in stage 1.

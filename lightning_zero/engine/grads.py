@@ -29,6 +29,7 @@ in the fp32 ``grad_shard``; stage 1 keeps its buffer (in ``accum_dtype``) for th
 from __future__ import annotations
 
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -142,11 +143,24 @@ class GradientReducer:
 
     # ---- hooks ----------------------------------------------------------------------------
     def register_hooks(self) -> None:
-        """Hook every parameter that needs a gradient now (parameters unfrozen later are hooked then)."""
+        """Hook every parameter that needs a gradient now (parameters unfrozen later are hooked then).
+
+        A parameter's hook is held by its gradient accumulator, on the C++ side of autograd, where
+        Python's garbage collector cannot see it: a hook that held the reducer would keep the reducer,
+        its units, their parameters and so the whole model alive after the user dropped them (every
+        stage-3 fit in a loop would leak one). The hook holds the reducer weakly.
+        """
+        on_grad = weakref.WeakMethod(self._on_grad)
+
+        def hook(param: torch.Tensor) -> None:
+            method = on_grad()
+            if method is not None:
+                method(param)
+
         for unit in self.units:
             for param in unit.params:
                 if param.requires_grad and id(param) not in self._hooks:
-                    self._hooks[id(param)] = param.register_post_accumulate_grad_hook(self._on_grad)
+                    self._hooks[id(param)] = param.register_post_accumulate_grad_hook(hook)
 
     def remove_hooks(self) -> None:
         for handle in self._hooks.values():

@@ -89,7 +89,8 @@ class Offloader:
         self._adder: Optional[_HostAdder] = None  # created at the first host accumulation
         self._announced: set[int] = set()  # units handed to the overlap this window (once each)
         self.overlap: Optional[OverlapWorker] = None  # set by enable_overlap when the step may start in backward
-        self.stepped_in_backward = 0  # units stepped while backward ran (diagnostics, tests)
+        self.stepped_in_backward = 0  # units stepped by the overlap worker (diagnostics, tests)
+        self.batches_in_backward = 0  # of those, batches handed to it before backward ended
         self.seconds = {"host_step": 0.0, "wait_for_host": 0.0}  # summed over steps (diagnostics, benchmarks)
         nvme_masters = config.offload_optimizer == "nvme"
         nvme_params = config.shard_params and config.offload_params == "nvme"
@@ -138,39 +139,62 @@ class Offloader:
     @torch.no_grad()
     def take_reduced(self, unit: FlatUnit, reduced: torch.Tensor, final: bool, unscale: float = 1.0) -> None:
         """The reducer's sink: a unit's reduced gradient chunk (``final``: the window's last micro-batch),
-        to be stored times ``unscale`` (1/loss scale, see [Note: scale of host gradients])."""
-        k = unit.index
-        if k not in self.indices:
+        to be stored times ``unscale`` (1/loss scale, see [Note: scale of host gradients]).
+
+        An offloaded unit's chunk goes one of two ways: held on the device until the window's last
+        micro-batch (``offload_accumulation="device"``), or down to the host now (:meth:`_land`).
+        """
+        if unit.index not in self.indices:
             unit.add_to_grad_shard(reduced, unscale)
             return
-        if not final and not self.host_accumulation:
-            acc = self._accum.get(k)
+        held = self._accumulate_on_device(unit, reduced, final, unscale)
+        if held is None:
+            return
+        event = self._land(unit, *held)
+        if final and self.overlap is not None and unit.index not in self._announced:
+            self._announced.add(unit.index)
+            self.overlap.ready(unit, event)
+
+    def _accumulate_on_device(self, unit: FlatUnit, reduced: torch.Tensor, final: bool,
+                              unscale: float) -> Optional[tuple[torch.Tensor, float]]:
+        """Device accumulation: add earlier micro-batches into an fp32 GPU buffer; at the last one, the sum (and
+        its scale) goes down. Host accumulation: every chunk goes down as it comes. None: nothing to land yet."""
+        k = unit.index
+        if self.host_accumulation:
+            return reduced, unscale
+        acc = self._accum.get(k)
+        if not final:
             if acc is None:
                 self._accum[k] = reduced.float().mul_(unscale) if unscale != 1.0 else reduced.float()
             else:
                 acc.add_(reduced, alpha=unscale)
-            return
-        acc = self._accum.pop(k, None)
-        if acc is not None:
-            reduced, unscale = acc.add_(reduced, alpha=unscale), 1.0
+            return None
+        if acc is None:
+            return reduced, unscale
+        del self._accum[k]
+        return acc.add_(reduced, alpha=unscale), 1.0
+
+    def _land(self, unit: FlatUnit, chunk: torch.Tensor, unscale: float) -> Any:
+        """Put a chunk into the unit's host gradient: in place when the gradient is empty (a copy queued on the
+        side stream), else added to it (on the host adder's thread, or at once when that is rare); the event
+        or pending add to wait for before the host reads it."""
+        k = unit.index
         if unit.grad_shard is None:  # the window's first chunk for this unit lands in place
             self._announced.discard(k)
-            unit.attach_grad_shard(self.grads.views[self._position[unit.index]])
+            unit.attach_grad_shard(self.grads.views[self._position[k]])
             self._host_scale[k] = unscale  # the host multiplies once the copy landed (finish_window)
-            event = self._to_host(unit.grad_shard, reduced)
-        elif self.host_accumulation:
+            return self._to_host(unit.grad_shard, chunk)
+        alpha = unscale / self._host_scale.get(k, 1.0)
+        if self.host_accumulation:
             if self._adder is None:
                 self._adder = _HostAdder(max(u.layout.shard_numel for u in self.units), self.grads.pinned,
                                          self.copy_stream, self.seconds)
-            event = self._adder.add(unit.grad_shard, reduced, unscale / self._host_scale.get(k, 1.0))
-        else:  # a second reduction in the same window (late gradients, or gradients kept since an earlier
-            # window): rare, so plainly synchronous
-            self.wait_copies()
-            unit.grad_shard.add_(reduced.to("cpu", torch.float32), alpha=unscale / self._host_scale.get(k, 1.0))
-            return
-        if final and self.overlap is not None and k not in self._announced:
-            self._announced.add(k)
-            self.overlap.ready(unit, event)
+            return self._adder.add(unit.grad_shard, chunk, alpha)
+        # device accumulation reaching a non-empty host gradient: a late gradient, or one kept since an
+        # earlier window (DDP's rule): rare, so plainly synchronous
+        self.wait_copies()
+        unit.grad_shard.add_(chunk.to("cpu", torch.float32), alpha=alpha)
+        return None
 
     @torch.no_grad()
     def finish_window(self) -> None:

@@ -55,6 +55,7 @@ class OverlapWorker:
         self.queued_numel += unit.layout.shard_numel
         if self.queued_numel >= HOST_STEP_CHUNK:
             self._submit()
+            self.owner.batches_in_backward += 1  # submitted while backward still runs, not at the drain
 
     def _submit(self) -> None:
         batch, self.queued, self.queued_numel = self.queued, [], 0
