@@ -81,7 +81,8 @@ class ZeroModelEngine:
         self.device, self.local_rank = device, local_rank
         self.comm = Comm.from_group(None) if dist.is_initialized() else Comm()
         self.compute_dtype = _DTYPES[ds.precision]
-        self.zero = ZeroEngine(model, [optimizer], ds.zero, self.comm, device, self.compute_dtype)
+        # DeepSpeed's step clears the gradients: they go at the step (see [Note: when gradients are freed])
+        self.zero = ZeroEngine(model, [optimizer], ds.zero, self.comm, device, self.compute_dtype, free_grads_at_step=True)
         self.scaling = LossScaling(make_scaler(ds.zero, self.compute_dtype))
         self.micro_steps = 0
         self.global_steps = 0

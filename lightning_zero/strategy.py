@@ -195,8 +195,8 @@ class ZeroStrategy(ParallelStrategy):
         self.engine = engine = ZeroEngine(
             self.lightning_module, optimizers, self.config, self.comm, self.root_device,
             self.precision_plugin.compute_dtype, init_rng=self._init_rng,
-            wrappers=lightning_compat.lightning_optimizers(self) if fitting else ())
-        engine.free_grads_at_step = fitting and lightning_loop.zero_grad_before_next_backward(self.lightning_module)
+            wrappers=lightning_compat.lightning_optimizers(self) if fitting else (),
+            free_grads_at_step=fitting and lightning_loop.zero_grad_before_next_backward(self.lightning_module))
         self.precision_plugin.attach(engine, self.root_device.type)
         if engine.offloader is not None:  # the host may step during backward only when nothing comes between
             blocker = (lightning_loop.overlap_blocker(trainer, self.lightning_module, optimizers,

@@ -66,11 +66,14 @@ class ZeroEngine:
         init_rng: random state captured when a meta-device model was created (stage 3 init).
         wrappers: wrappers of the optimizers (Lightning's LightningOptimizer); later ones are
             routed with :meth:`route_wrappers`.
+        free_grads_at_step: free gradients at the step, where nothing reads them before the next
+            ``zero_grad`` (see [Note: when gradients are freed]).
     """
 
     def __init__(self, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer], config: ZeroConfig,
                  comm: Comm, device: torch.device, compute_dtype: torch.dtype = torch.float32,
-                 init_rng: Optional[RngState] = None, wrappers: Sequence[Any] = ()) -> None:
+                 init_rng: Optional[RngState] = None, wrappers: Sequence[Any] = (),
+                 free_grads_at_step: bool = False) -> None:
         self.module = module
         self.optimizers = [unwrap(o) for o in optimizers]
         self.config = config
@@ -97,8 +100,6 @@ class ZeroEngine:
         self.window = 0  # windows closed so far (see engine.grads [Note: the window])
         self.grad_bytes_at_step = 0
         self.gatherer = self._make_gatherer() if config.shard_params else None
-        if self.gatherer is not None and self.offloader is not None:
-            self.gatherer.copy_stream = self.offloader.copy_stream
         self._forward = ForwardOrder(module) if comm.world_size > 1 or comm.force else None
         policy = ReducePolicy(shard_grads=config.shard_grads, overlap=config.overlap_comm,
                               reduce_dtype=self.reduce_dtype,
@@ -107,7 +108,7 @@ class ZeroEngine:
                                        on_backward_end=self.gatherer.end_of_backward if self.gatherer else None,
                                        sink=self.offloader.take_reduced if self.offloader else None)
         # See [Note: when gradients are freed]; the Lightning strategy turns it on where it is exact.
-        self.free_grads_at_step = False
+        self.free_grads_at_step = free_grads_at_step
         self.routes = Routes()
         for optimizer in self.optimizers:
             self.routes.adopt(optimizer, self.optimizer_step, self.zero_grad)
@@ -205,7 +206,8 @@ class ZeroEngine:
         unit_of = {id(p): u for u in self.units for p in u.params}
         small = {u.index for u in self.units if u.layout.numel < self.config.param_persistence_threshold}
         return Gatherer(build_needs(self.module, self.group_modules, unit_of), self.comm.sibling(), self.config.prefetch,
-                        small, members_of(self.module, self.group_modules))
+                        small, members_of(self.module, self.group_modules),
+                        copy_stream=self.offloader.copy_stream if self.offloader is not None else None)
 
     def _agree_order(self) -> Optional[list[int]]:
         """Rank 0's forward order becomes every rank's launch order (one broadcast, first backward)."""
@@ -308,7 +310,7 @@ class ZeroEngine:
                     unit.gather_source()  # this rank's chunk of the device buffer; the others come at the step
 
         self.offloader.enable_overlap(optimizer, self.routes.inner_step(optimizer), fully_used, publish_own)
-        self.reducer.on_late = self.offloader.overlap.late_gradient if self.offloader.overlap is not None else None
+        self.reducer.tell_late(self.offloader.overlap.late_gradient if self.offloader.overlap is not None else None)
         return described + "overlaps backward"
 
     # ---- backward -------------------------------------------------------------------------------
@@ -383,7 +385,7 @@ class ZeroEngine:
     def set_grad_scale(self, scale: float) -> None:
         """The coming backward's gradients are scaled by ``scale`` (fp16 loss scaling): they are stored
         divided by it (see :mod:`lightning_zero.precision.step`)."""
-        self.reducer.grad_scale = float(scale)
+        self.reducer.set_grad_scale(scale)
 
     @torch.no_grad()
     def grads_nonfinite(self, optimizer: torch.optim.Optimizer) -> bool:

@@ -136,10 +136,11 @@ class Gatherer:
         persistent: indices of units that stay gathered (too small to be worth freeing).
         members: module owning parameters directly -> its group module (for layers run
             outside their group's forward, e.g. ``self.coder.encode(x)``).
+        copy_stream: offload: the side stream host-to-device copies (and their gathers) run on.
     """
 
     def __init__(self, needs: dict[nn.Module, list[FlatUnit]], comm: Comm, prefetch: int, persistent: set[int],
-                 members: Optional[dict[nn.Module, nn.Module]] = None) -> None:
+                 members: Optional[dict[nn.Module, nn.Module]] = None, copy_stream: Optional[Any] = None) -> None:
         self.groups = {id(m): _Group(m, units) for m, units in needs.items()}
         self.comm = comm
         self.prefetch = prefetch
@@ -154,7 +155,7 @@ class Gatherer:
         self._held_until_backward_end: list[FlatUnit] = []
         self._group_of = {id(member): self.groups[id(g)] for member, g in (members or {}).items()}
         self.peak_gathered_bytes = 0
-        self.copy_stream: Optional[Any] = None  # offload: host-to-device copies and their gathers run here
+        self.copy_stream = copy_stream  # offload: host-to-device copies and their gathers run here
         self._hooks: list = []
         for module in needs:
             self._hooks.append(module.register_forward_pre_hook(self._pre_forward, with_kwargs=True))

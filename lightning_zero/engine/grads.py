@@ -137,6 +137,14 @@ class GradientReducer:
         finally:
             self.last_micro_batch = True
 
+    def tell_late(self, on_late: Optional[Callable[[FlatUnit], None]]) -> None:
+        """Who to tell of a late gradient (the offload overlap, which must not have stepped its unit)."""
+        self.on_late = on_late
+
+    def set_grad_scale(self, scale: float) -> None:
+        """The loss scale the coming backward's gradients carry (fp16): chunks are stored divided by it."""
+        self.grad_scale = float(scale)
+
     def used_slots(self, unit: FlatUnit) -> set[int]:
         """Slots of ``unit`` that got a gradient on this rank in the open window."""
         return self._used[unit.index]
