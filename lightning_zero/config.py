@@ -60,6 +60,9 @@ class ZeroConfig:
         rendezvous_timeout_s: seconds every rank waits for the others when entering a collective that user
             code calls (``full_state_dict``, ``save_checkpoint``, ...): a rank that never comes (a call under
             ``if trainer.is_global_zero:``) turns into an error naming it instead of a hang.
+        scheduler_on_skip: fp16: what an LR scheduler stepped every optimizer step does when a step is skipped
+            for overflow: "hold" (DeepSpeed's rule: the schedule follows the steps applied) or "advance"
+            (Lightning's and torch AMP's: it follows the loop's steps).
         broadcast_buffers: before each training forward that synchronizes gradients, every rank
             takes rank 0's buffers (BatchNorm statistics), exactly as DDP does by default.
         checkpoint_format: "sharded" (default) writes a checkpoint directory in which every rank
@@ -106,6 +109,7 @@ class ZeroConfig:
     activation_checkpointing: tuple[str, ...] = ()
     collective_timeout_s: float = 1800.0
     rendezvous_timeout_s: float = 120.0
+    scheduler_on_skip: str = "hold"
     broadcast_buffers: bool = True
     checkpoint_format: str = "sharded"
     offload_optimizer: str = "none"
@@ -148,6 +152,9 @@ class ZeroConfig:
                self.min_loss_scale, "keep it at or below 2**initial_scale_power")
         _check(self.checkpoint_format in ("sharded", "full"), "checkpoint_format", self.checkpoint_format,
                "use 'sharded' (a directory, every rank writes its part) or 'full' (one file from rank 0)")
+        _check(self.scheduler_on_skip in ("hold", "advance"), "scheduler_on_skip", self.scheduler_on_skip,
+               "use 'hold' (a step skipped for fp16 overflow does not advance the LR schedule, as DeepSpeed) or "
+               "'advance' (it does, as Lightning's AMP)")
         for name in ("offload_optimizer", "offload_params"):
             _check(getattr(self, name) in PLACES, name, getattr(self, name), "use 'none', 'cpu' or 'nvme'")
         _check(self.offload_params == "none" or self.stage == 3, "offload_params", self.offload_params,

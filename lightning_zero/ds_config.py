@@ -10,6 +10,7 @@ would train differently from what the file says are errors; DeepSpeed's own "ign
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import json
 from dataclasses import dataclass, field
@@ -50,7 +51,7 @@ ZERO_UNMAPPED = {  # valid DeepSpeed keys with no lightning_zero counterpart, an
 }
 TOP_KEYS = {"zero_optimization", "fp16", "bf16", "gradient_clipping", "train_batch_size",
             "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "optimizer", "scheduler",
-            "zero_allow_untested_optimizer"}
+            "zero_allow_untested_optimizer", "lightning_zero"}
 TOP_UNMAPPED = {"steps_per_print", "wall_clock_breakdown", "prescale_gradients", "gradient_predivide_factor",
                 "dump_state", "tensorboard", "wandb", "csv_monitor", "flops_profiler", "activation_checkpointing",
                 "communication_data_type", "seq_parallel_communication_data_type", "amp", "zero_force_ds_cpu_optimizer",
@@ -118,9 +119,11 @@ def import_deepspeed_config(source: Union[str, Path, dict], base: Optional[ZeroC
     if stage < 3 and any("did you mean 'offload_param'" in n for n in notes):
         notes.append(f"offload_param itself only applies to stage 3: under stage {stage} DeepSpeed keeps parameters "
                      f"on the GPU too")
-    if stage == 0:
-        raise DeepSpeedConfigError("zero_optimization.stage is 0 (or missing): that is plain data parallelism; use "
-                                   "Trainer(strategy='ddp'), or set stage 1, 2 or 3.")
+    if stage == 0:  # DeepSpeed's default: plain data parallelism. ZeRO-1 trains the same model (see the note)
+        notes.append("zero_optimization.stage is 0 (or missing): DeepSpeed's plain data parallelism runs here as ZeRO "
+                     "stage 1, which trains the same model and shards the optimizer state"
+                     + ("" if "zero_optimization" in ds else " (no 'zero_optimization' section in the config)"))
+        stage = 1
     if stage not in (1, 2, 3):
         raise DeepSpeedConfigError(f"zero_optimization.stage={stage} is invalid: use 1, 2 or 3.")
     values["stage"] = stage
@@ -135,6 +138,7 @@ def import_deepspeed_config(source: Union[str, Path, dict], base: Optional[ZeroC
     precision = _precision(ds, values, notes)
     if ds.get("zero_allow_untested_optimizer"):
         values["allow_untested_optimizer"] = True
+    values.update(_own_section(ds.get("lightning_zero")))
     config = (base or ZeroConfig()).replace(**values)
     out = DeepSpeedImport(zero=config, precision=precision, warnings=notes)
     clip = ds.get("gradient_clipping")
@@ -154,6 +158,23 @@ def import_deepspeed_config(source: Union[str, Path, dict], base: Optional[ZeroC
     if unmapped:
         notes.append("mapped to nothing here: " + ", ".join(unmapped))
     return out
+
+
+def _own_section(section: Any) -> dict[str, Any]:
+    """The config's ``"lightning_zero": {...}`` section: ZeroConfig fields DeepSpeed has no key for
+    (``scheduler_on_skip``, ``prefetch``, ...), set in the same JSON; they win over the mapped keys."""
+    if section is None:
+        return {}
+    fields = {f.name for f in dataclasses.fields(ZeroConfig)}
+    if not isinstance(section, dict):
+        raise DeepSpeedConfigError(f"'lightning_zero' must be an object of ZeroConfig fields, got {section!r}.")
+    for key in section:
+        if key not in fields:
+            close = difflib.get_close_matches(key, fields, n=1)
+            raise DeepSpeedConfigError(f"lightning_zero.{key} is not a ZeroConfig field"
+                                       + (f" — did you mean '{close[0]}'?" if close else "")
+                                       + f" Fields: {', '.join(sorted(fields))}.")
+    return dict(section)
 
 
 def _offload_optimizer(zero: dict, values: dict, notes: list[str]) -> None:

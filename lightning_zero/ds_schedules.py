@@ -1,106 +1,198 @@
-"""DeepSpeed's learning-rate schedules as torch ``LambdaLR`` factors (stepped every optimizer step).
+"""DeepSpeed's learning-rate schedules (``WarmupLR``, ``WarmupDecayLR``, ``WarmupCosineLR``, ``OneCycle``).
 
-The formulas follow DeepSpeed's ``runtime/lr_schedules.py``: WarmupLR (log or linear warm-up from
-``warmup_min_lr`` to ``warmup_max_lr``, then constant), WarmupDecayLR (then linear decay to 0 at
-``total_num_steps``), WarmupCosineLR (ratios of the optimizer's lr: warm-up from
-``warmup_min_ratio``, then cosine down to ``cos_min_ratio``) and OneCycle (a triangle from
-``cycle_min_lr`` up to ``cycle_max_lr`` and back, then decay). The optimizer's lr is set to the
-schedule's reference value and the factor scales it.
+[Note: DeepSpeed's schedule clock]
+A DeepSpeed schedule counts ``last_batch_iteration`` from -1: at construction the optimizer gets
+the value for iteration -1 (the minimum; 0 for WarmupCosineLR), and each ``step()`` first
+advances the iteration and then sets the value. So optimizer step ``k`` (from 0) runs with the
+value of iteration ``k - 1``. :class:`DeepSpeedSchedule` keeps that clock on torch's
+``LRScheduler`` (``last_batch_iteration = last_epoch - 1``; Lightning accepts it as any torch
+scheduler), saves the same ``{"last_batch_iteration": n}`` DeepSpeed saves, and loads DeepSpeed's.
+OneCycle also cycles Adam's first beta as DeepSpeed does (``cycle_momentum``, on by default).
+tests/test_deepspeed_checkpoints.py compares every schedule with DeepSpeed's own, recorded by
+DeepSpeed in tests/fixtures/deepspeed.tar.gz.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
-__all__ = ["SCHEDULES", "build_scheduler", "UnsupportedScheduleError"]
+__all__ = ["SCHEDULES", "build_scheduler", "DeepSpeedSchedule", "UnsupportedScheduleError"]
+
+Values = Callable[[int], list]  # iteration -> one value per param group
 
 
 class UnsupportedScheduleError(ValueError):
     """A DeepSpeed ``scheduler.type`` this importer does not know."""
 
 
-def _gamma(step: int, warmup: int, kind: str) -> float:
-    warmup = max(2, warmup)
-    if step >= warmup:
-        return 1.0
-    if kind == "log":
-        return math.log(step + 1) / math.log(warmup)
-    return step / warmup
+def _per_group(value: Any, groups: int, name: str) -> list[float]:
+    if isinstance(value, (list, tuple)):
+        if len(value) != groups:
+            raise UnsupportedScheduleError(f"scheduler params.{name} has {len(value)} values for {groups} param groups.")
+        return [float(v) for v in value]
+    return [float(value)] * groups
 
 
-def _warmup_lr(p: dict[str, Any]) -> tuple[float, Callable[[int], float]]:
-    lo, hi = float(p.get("warmup_min_lr", 0.0)), float(p.get("warmup_max_lr", 0.001))
-    warmup, kind = int(p.get("warmup_num_steps", 1000)), p.get("warmup_type", "log")
-    return hi, lambda s: (lo + (hi - lo) * _gamma(s, warmup, kind)) / hi if hi else 0.0
+def _warm_fraction(it: int, warmup: int, kind: str) -> float:
+    """DeepSpeed's warm-up gamma below ``warmup`` (``log`` or ``linear``)."""
+    if kind == "linear":
+        return it / warmup
+    return math.log(it + 1) / math.log(warmup)
 
 
-def _warmup_decay_lr(p: dict[str, Any]) -> tuple[float, Callable[[int], float]]:
-    lo, hi = float(p.get("warmup_min_lr", 0.0)), float(p.get("warmup_max_lr", 0.001))
-    warmup, kind = int(p.get("warmup_num_steps", 1000)), p.get("warmup_type", "log")
-    total = int(p["total_num_steps"])
+def _warmup(p: dict[str, Any], groups: int, base: list[float], decay: bool) -> tuple[Values, Optional[Values]]:
+    lo = _per_group(p.get("warmup_min_lr", 0.0), groups, "warmup_min_lr")
+    hi = _per_group(p.get("warmup_max_lr", 0.001), groups, "warmup_max_lr")
+    warmup, kind = max(2, int(p.get("warmup_num_steps", 1000))), p.get("warmup_type", "log")
+    total = int(p["total_num_steps"]) if decay else 0
 
-    def factor(s: int) -> float:
-        if s < max(2, warmup):
-            gamma = _gamma(s, warmup, kind)
-        else:
-            gamma = max(0.0, (total - s) / max(1.0, total - max(2, warmup)))
-        return (lo + (hi - lo) * gamma) / hi if hi else 0.0
+    def gamma(it: int) -> float:
+        if it < warmup:
+            return _warm_fraction(it, warmup, kind)
+        if not decay:
+            return 1.0
+        return max(0.0, (total - it) / max(1.0, total - warmup))
 
-    return hi, factor
+    return (lambda it: lo if it < 0 else [a + (b - a) * gamma(it) for a, b in zip(lo, hi)]), None
 
 
-def _warmup_cosine_lr(p: dict[str, Any]) -> tuple[float, Callable[[int], float]]:
+def _warmup_lr(p: dict[str, Any], groups: int, base: list[float]) -> tuple[Values, Optional[Values]]:
+    return _warmup(p, groups, base, decay=False)
+
+
+def _warmup_decay_lr(p: dict[str, Any], groups: int, base: list[float]) -> tuple[Values, Optional[Values]]:
+    return _warmup(p, groups, base, decay=True)
+
+
+def _warmup_cosine_lr(p: dict[str, Any], groups: int, base: list[float]) -> tuple[Values, Optional[Values]]:
     total, warmup = int(p["total_num_steps"]), int(p.get("warmup_num_steps", 1000))
+    if warmup <= 0:
+        raise UnsupportedScheduleError(f"WarmupCosineLR needs warmup_num_steps > 0, got {warmup}.")
+    warmup = max(2, warmup)
     lo, floor, kind = float(p.get("warmup_min_ratio", 0.0)), float(p.get("cos_min_ratio", 0.0001)), p.get("warmup_type", "log")
 
-    def factor(s: int) -> float:
-        if s < warmup:
-            return lo + (1.0 - lo) * _gamma(s, warmup, kind)
-        progress = min(1.0, (s - warmup) / max(1, total - warmup))
-        return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    def ratio(it: int) -> float:
+        if it < 0:
+            return 0.0
+        if it < warmup:
+            return lo + _warm_fraction(it, warmup, kind) * (1.0 - lo)
+        progress = min(1.0, (it - warmup + 1) / max(1, total - warmup))
+        return max(0.0, floor + (1.0 - floor) * (1.0 + math.cos(math.pi * progress)) / 2)
 
-    return float("nan"), factor  # ratios of the optimizer's own lr
+    return (lambda it: [b * ratio(it) for b in base]), None
 
 
-def _one_cycle(p: dict[str, Any]) -> tuple[float, Callable[[int], float]]:
-    lo, hi = float(p["cycle_min_lr"]), float(p["cycle_max_lr"])
-    up = int(p.get("cycle_first_step_size", 2000))
-    down = int(p.get("cycle_second_step_size") or up)
-    decay_rate, decay_size = float(p.get("decay_lr_rate", 0.0)), int(p.get("decay_step_size", 0))
+def _one_cycle(p: dict[str, Any], groups: int, base: list[float]) -> tuple[Values, Optional[Values]]:
+    lo = _per_group(p["cycle_min_lr"], groups, "cycle_min_lr")
+    hi = _per_group(p["cycle_max_lr"], groups, "cycle_max_lr")
+    first = float(p.get("cycle_first_step_size", 2000))
+    second = float(p["cycle_second_step_size"]) if p.get("cycle_second_step_size") is not None else first
+    if first <= 0 or second < 0:
+        raise UnsupportedScheduleError("OneCycle needs cycle_first_step_size > 0 and cycle_second_step_size >= 0.")
+    stairs_up = int(p.get("cycle_first_stair_count", 0))
+    stairs_down = stairs_up if p.get("cycle_second_stair_count") is None else int(p["cycle_second_stair_count"])
+    decay_size = float(p.get("decay_step_size", 0))
+    lr_rate, mom_rate = float(p.get("decay_lr_rate", 0.0)), float(p.get("decay_mom_rate", 0.0))
+    min_mom = _per_group(p.get("cycle_min_mom", 0.8), groups, "cycle_min_mom")
+    max_mom = _per_group(p.get("cycle_max_mom", 0.9), groups, "cycle_max_mom")
+    total = first + second
+    up_share = first / total
 
-    def factor(s: int) -> float:
-        if s <= up:
-            lr = lo + (hi - lo) * s / max(1, up)
-        elif s <= up + down:
-            lr = hi - (hi - lo) * (s - up) / max(1, down)
-        else:
-            decays = (s - up - down) / decay_size if decay_size else 0.0
-            lr = lo / (1.0 + decay_rate * decays)
-        return lr / hi
+    def scale(it: int) -> float:
+        batch = it + 1
+        x = 1.0 + batch / total - math.floor(1 + batch / total)
+        factor, stairs = (x / up_share, stairs_up) if x <= up_share else ((x - 1) / (up_share - 1), stairs_down)
+        if stairs > 0:
+            at = batch % total
+            position = at * stairs / first if at <= first else (total - at) * stairs / second
+            factor = math.floor(position) / stairs
+        return factor
 
-    return hi, factor
+    def lrs(it: int) -> list[float]:
+        if it < 0:
+            return lo
+        if it < total:
+            return [a + (b - a) * scale(it) for a, b in zip(lo, hi)]
+        if math.isclose(decay_size, 0) or math.isclose(lr_rate, 0):
+            return lo
+        return [a / (1 + lr_rate * (it - total + 1) / decay_size) for a in lo]
+
+    def moms(it: int) -> list[float]:
+        if it < 0:
+            return min_mom
+        if it < total:
+            return [b - (b - a) * scale(it) for a, b in zip(min_mom, max_mom)]
+        if math.isclose(decay_size, 0) or math.isclose(mom_rate, 0):
+            return max_mom
+        return [b * (1 + mom_rate * (it - total + 1) / decay_size) for b in max_mom]
+
+    return lrs, (moms if p.get("cycle_momentum", True) else None)
 
 
 SCHEDULES = {"WarmupLR": _warmup_lr, "WarmupDecayLR": _warmup_decay_lr, "WarmupCosineLR": _warmup_cosine_lr,
              "OneCycle": _one_cycle}
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, spec: dict[str, Any]) -> torch.optim.lr_scheduler.LambdaLR:
-    """A ``LambdaLR`` following DeepSpeed's ``{"type": ..., "params": {...}}``."""
+class DeepSpeedSchedule(torch.optim.lr_scheduler.LRScheduler):
+    """A DeepSpeed schedule on torch's scheduler API (see [Note: DeepSpeed's schedule clock])."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, kind: str, params: dict[str, Any]) -> None:
+        base = [float(g["lr"]) for g in optimizer.param_groups]
+        self.kind = kind
+        self._lrs, self._moms = SCHEDULES[kind](params, len(optimizer.param_groups), base)
+        if self._moms is not None and "betas" not in optimizer.defaults:
+            self._moms = None  # as DeepSpeed: no momentum cycling for an optimizer without betas
+        super().__init__(optimizer)
+
+    @property
+    def last_batch_iteration(self) -> int:
+        return self.last_epoch - 1
+
+    def get_lr(self) -> list[float]:
+        return list(self._lrs(self.last_epoch - 1))
+
+    def step(self, epoch: Optional[int] = None, last_batch_iteration: Optional[int] = None,
+             batch_iteration: Optional[int] = None) -> None:
+        """Advance one iteration, or jump to DeepSpeed's ``last_batch_iteration`` / ``batch_iteration``."""
+        jump = last_batch_iteration if last_batch_iteration is not None else batch_iteration
+        if jump is None:
+            super().step(epoch)
+        else:
+            self._set(int(jump))
+        self._apply_momentum()
+
+    def _set(self, iteration: int) -> None:
+        self.last_epoch = iteration + 1
+        values = self.get_lr()
+        for group, lr in zip(self.optimizer.param_groups, values):
+            group["lr"] = lr
+        self._last_lr = values
+
+    def _apply_momentum(self) -> None:
+        if self._moms is not None:
+            for group, mom in zip(self.optimizer.param_groups, self._moms(self.last_epoch - 1)):
+                group["betas"] = (mom, 0.99)  # DeepSpeed's OneCycle fixes the second beta at 0.99
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"last_batch_iteration": self.last_epoch - 1, "type": self.kind}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Ours or DeepSpeed's (``{"last_batch_iteration": n}``)."""
+        self._set(int(state_dict["last_batch_iteration"]))
+        self._apply_momentum()
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, spec: dict[str, Any]) -> DeepSpeedSchedule:
+    """The schedule of DeepSpeed's ``{"type": ..., "params": {...}}``."""
     kind = spec.get("type")
     if kind not in SCHEDULES:
         raise UnsupportedScheduleError(f"DeepSpeed scheduler type {kind!r} is not supported: use one of "
                                        f"{', '.join(SCHEDULES)}, or configure the scheduler in configure_optimizers.")
     try:
-        reference, factor = SCHEDULES[kind](dict(spec.get("params", {})))
+        return DeepSpeedSchedule(optimizer, kind, dict(spec.get("params", {})))
     except KeyError as err:
         raise UnsupportedScheduleError(f"DeepSpeed scheduler {kind} needs params.{err.args[0]}.") from None
-    if not math.isnan(reference):
-        for group in optimizer.param_groups:
-            group["lr"] = reference
-            group["initial_lr"] = reference
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)

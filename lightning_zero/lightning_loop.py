@@ -6,11 +6,14 @@ step, whether the host may step during backward, and whether evaluation batches 
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any, Optional
 
 import torch
 
-__all__ = ["zero_grad_before_next_backward", "overlap_blocker", "check_even_batches", "replay_finetuning_restore"]
+__all__ = ["zero_grad_before_next_backward", "overlap_blocker", "check_even_batches", "replay_finetuning_restore",
+           "hold_schedulers_on_skip"]
 
 _GRAD_HOOKS = ("on_after_backward", "on_before_optimizer_step")
 
@@ -78,3 +81,29 @@ def replay_finetuning_restore(trainer: Any, module: Any) -> None:
     for callback in trainer.callbacks:
         if isinstance(callback, BaseFinetuning) and is_restarting(callback):
             callback.on_fit_start(trainer, module)
+
+
+def hold_schedulers_on_skip(trainer: Any, module: Any, step_applied: Callable[[Any], Optional[bool]]
+                            ) -> Callable[[], None]:
+    """Lightning steps ``interval="step"`` schedulers after every optimizer step, a step skipped for fp16
+    overflow too; DeepSpeed does not (Lightning issues 5558, 18828). Wrap this module's ``lr_scheduler_step``
+    so that such a scheduler is not stepped when its optimizer's last step was skipped (``step_applied``
+    returns False). Epoch schedulers are untouched. Returns the undo (the strategy's teardown calls it)."""
+    original = module.lr_scheduler_step
+
+    @functools.wraps(original)  # Lightning's is_overridden looks through __wrapped__: the user's override stays seen
+    def lr_scheduler_step(scheduler: Any, metric: Any = None) -> None:
+        config = next((c for c in trainer.lr_scheduler_configs if c.scheduler is scheduler), None)
+        optimizer = getattr(scheduler, "optimizer", None)
+        if config is not None and config.interval == "step" and optimizer is not None \
+                and step_applied(optimizer) is False:
+            return None
+        return original(scheduler, metric)
+
+    module.lr_scheduler_step = lr_scheduler_step
+
+    def undo() -> None:
+        if module.__dict__.get("lr_scheduler_step") is lr_scheduler_step:
+            del module.lr_scheduler_step
+
+    return undo

@@ -75,6 +75,7 @@ class ZeroStrategy(ParallelStrategy):
         self._parked: Optional[ZeroEngine] = None  # stages 1/2: the last fit's shards, for saving after fit returns
         self._final_report: Optional[MemoryReport] = None
         self._failed = False  # an exception ended this rank's run (see teardown)
+        self._undo_hold: Optional[Callable[[], None]] = None  # scheduler_on_skip="hold" (see setup)
 
     # ---- what Lightning asks of a parallel strategy ---------------------------------------
     @property
@@ -189,6 +190,9 @@ class ZeroStrategy(ParallelStrategy):
             self.model_to_device()
             self.engine.restore_param_views()
         self.setup_precision_plugin()
+        if fitting and self.precision_plugin.scaler is not None and self.config.scheduler_on_skip == "hold":
+            self._undo_hold = lightning_loop.hold_schedulers_on_skip(trainer, self.lightning_module,
+                                                                     self.precision_plugin.step_applied)
 
     def _build_engine(self, trainer: Any, fitting: bool) -> None:
         optimizers = list(self.optimizers) if fitting else []
@@ -264,6 +268,12 @@ class ZeroStrategy(ParallelStrategy):
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.engine.hold(self.lightning_module, until_backward_end=False):
             return super().predict_step(*args, **kwargs)
+
+    def step_applied(self, optimizer: Any) -> Optional[bool]:
+        """Whether ``optimizer``'s last step changed the model: False when fp16 overflow skipped it, None before
+        its first step. Manual optimization steps its schedulers itself: ``if strategy.step_applied(opt): sch.step()``
+        keeps DeepSpeed's rule (automatic optimization does it for you, see ``ZeroConfig.scheduler_on_skip``)."""
+        return self.precision_plugin.step_applied(optimizer)
 
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         model = model if model is not None else self.lightning_module
@@ -404,6 +414,9 @@ class ZeroStrategy(ParallelStrategy):
         validate/test/predict after fit run sharded); stages 1/2 give the module back with its
         trained parameters in place and keep only their shards (for saving after fit). After an
         error on this rank nothing is kept and no collective runs."""
+        if self._undo_hold is not None:
+            self._undo_hold()
+            self._undo_hold = None
         engine = self.engine
         if engine is not None and engine.units:
             self._final_report = memory_report(engine)

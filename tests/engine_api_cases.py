@@ -35,7 +35,8 @@ def _loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 def ddp_reference(rank: int, world: int, micro_batches: int, device: str = "cpu") -> dict:
     model = DDP(_model().to(device))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, s / 5))
+    # DeepSpeed's WarmupLR clock (lightning_zero/ds_schedules.py): optimizer step k runs with warm-up value k - 1
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, max(s - 1, 0) / 5))
     data = _data()
     loader = DataLoader(data, batch_size=4, sampler=DistributedSampler(data, world, rank), drop_last=True)
     losses = []

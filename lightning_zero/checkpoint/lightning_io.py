@@ -19,8 +19,8 @@ from torch import nn
 from ..collectives import Comm
 from ..engine import ZeroEngine
 from ..engine.state import check_keys, full_model_state, full_optimizer_state, load_model_state, load_optimizer_state
-from . import sharded
-from .files import CheckpointPathError
+from . import deepspeed_format, sharded
+from .files import META_FILE, CheckpointPathError
 
 __all__ = ["module_state", "optimizer_state", "save", "load", "load_model", "load_optimizers"]
 
@@ -58,10 +58,13 @@ def save(checkpoint: dict[str, Any], filepath: Any, engine: Optional[ZeroEngine]
 
 def load(checkpoint_path: Any, engine: Optional[ZeroEngine], module: nn.Module, plain_io: bool,
          load_file: Callable[[], dict[str, Any]], weights_only: Optional[bool]) -> dict[str, Any]:
-    """A sharded directory (any world size and stage wrote it) or a one-file checkpoint (read with
-    ``mmap``: no rank copies the whole file into memory; ``load_file`` for a custom CheckpointIO)."""
+    """A sharded directory (any world size and stage wrote it), a DeepSpeed checkpoint directory (DeepSpeed's
+    engine or Lightning's ``DeepSpeedStrategy`` wrote it), or a one-file checkpoint (read with ``mmap``: no
+    rank copies the whole file into memory; ``load_file`` for a custom CheckpointIO)."""
     path = Path(checkpoint_path)
-    if path.is_dir() or not path.exists():
+    if path.is_dir() and not (path / META_FILE).exists() and deepspeed_format.is_deepspeed_checkpoint(path):
+        checkpoint = deepspeed_format.lightning_checkpoint(path, module)
+    elif path.is_dir() or not path.exists():
         checkpoint = sharded.read(path)  # names the missing / incomplete / foreign directory
         if engine is None:  # before setup: straight into the module's own tensors
             checkpoint["state_dict"] = sharded.load_into_module(checkpoint["state_dict"], module)

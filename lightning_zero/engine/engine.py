@@ -16,6 +16,7 @@ parameter shard between uses (see :mod:`lightning_zero.engine.gather`).
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, Optional
@@ -39,6 +40,8 @@ from .optim import Routes, check_optimizer, pieces_in_groups, unwrap
 from .readiness import ForwardOrder
 
 __all__ = ["ZeroEngine", "dtype_of"]
+
+_live: weakref.WeakSet = weakref.WeakSet()  # engines whose hooks are installed (see ZeroEngine.owning)
 
 
 def dtype_of(name: Optional[str], default: torch.dtype) -> torch.dtype:
@@ -116,6 +119,12 @@ class ZeroEngine:
         self.routes.route_module(module, self.zero_all_grads)
         self._sync_buffers_next = True  # see before_training_forward
         self._guards = install_state_dict_guard(module, self.units) if config.shard_params else []
+        _live.add(self)
+
+    @staticmethod
+    def owning(param: torch.Tensor) -> Optional[ZeroEngine]:
+        """The live engine that manages ``param`` (None: no engine does)."""
+        return next((e for e in list(_live) if id(param) in e._slot), None)
 
     # ---- construction -------------------------------------------------------------------------
     def _check_params(self, k: int, optimizer: torch.optim.Optimizer) -> None:
@@ -369,6 +378,10 @@ class ZeroEngine:
                 out.append(found)
         return out
 
+    def slot_of(self, param: nn.Parameter) -> tuple[FlatUnit, int]:
+        """The unit holding ``param`` and its slot there."""
+        return self._slot[id(param)]
+
     def unit_of(self, param: nn.Parameter) -> FlatUnit:
         return self._slot[id(param)][0]
 
@@ -595,6 +608,7 @@ class ZeroEngine:
         if self._forward is not None:
             self._forward.remove()
         self.routes.release()
+        _live.discard(self)
 
     def gather_masters(self) -> Iterable[tuple[FlatUnit, torch.Tensor]]:
         """Yield each unit with its full fp32 values (one unit's full buffer alive at a time)."""

@@ -22,7 +22,7 @@ from .flat_unit import FlatUnit, UnitState
 from .guard import allow_state_dict
 from .optim import unwrap
 
-__all__ = ["check_keys", "full_model_state", "load_model_state", "full_optimizer_state", "load_optimizer_state", "FORMAT"]
+__all__ = ["check_keys", "full_model_state", "load_model_state", "set_unit_values", "full_optimizer_state", "load_optimizer_state", "FORMAT"]
 
 FORMAT = "lightning_zero.optimizer.v2"
 _SCALAR_KEYS = ("step",)  # per-parameter counters: never sliced
@@ -80,7 +80,7 @@ def load_model_state(engine: ZeroEngine, state: dict[str, torch.Tensor], strict:
             managed.add(id(param))
             if key is not None:
                 view.copy_(state[key].reshape(view.shape))
-        _set_unit_values(unit, full)
+        set_unit_values(unit, full)
     named = dict(module.named_parameters(remove_duplicate=False))
     for key, value in state.items():
         target = named.get(key)
@@ -101,7 +101,7 @@ def check_keys(expected: Any, have: Any, path: Any = None) -> None:
                        f"the weights with strict=False.")
 
 
-def _set_unit_values(unit: FlatUnit, full: torch.Tensor) -> None:
+def set_unit_values(unit: FlatUnit, full: torch.Tensor) -> None:
     unit.master.copy_(full[unit.shard_slice])
     unit.refresh_param_shard()
     if unit.state is UnitState.UNSHARDED and unit.full is not None:

@@ -24,6 +24,7 @@ from lightning.pytorch.plugins.precision import Precision
 from torch import Tensor
 
 from ..config import ZeroConfig
+from ..engine.optim import unwrap
 from .loss_scaler import DynamicLossScaler
 from .step import LossScaling, make_scaler, zero_step
 
@@ -59,6 +60,7 @@ class ZeroPrecision(Precision):
         self.compute_dtype = PRECISIONS[precision]
         self.device_type = "cuda" if torch.cuda.is_available() else "cpu"
         self.scaling = LossScaling(None)
+        self._applied: dict[int, bool] = {}  # id(optimizer) -> its last step was applied (not skipped)
         self._engine: Optional[ZeroEngine] = None
         self.configure(config, explicit=config is not None)
 
@@ -118,8 +120,14 @@ class ZeroPrecision(Precision):
             engine.finish_grads()
             self._after_closure(model, optimizer)
             return closure_result
-        _, output = zero_step(engine, optimizer, self.scaling, lambda: self._after_closure(model, optimizer), **kwargs)
+        applied, output = zero_step(engine, optimizer, self.scaling, lambda: self._after_closure(model, optimizer),
+                                    **kwargs)
+        self._applied[id(unwrap(optimizer))] = applied
         return output if output is not None else closure_result
+
+    def step_applied(self, optimizer: Any) -> Optional[bool]:
+        """Whether ``optimizer``'s last step changed the model (False: skipped for fp16 overflow; None: no step yet)."""
+        return self._applied.get(id(unwrap(optimizer)))
 
     def clip_grad_by_norm(self, optimizer: Any, clip_val: float) -> None:
         self._require_engine().clip_grad_norm_(optimizer, clip_val)
