@@ -61,7 +61,7 @@ FP16_KEYS = {"enabled", "loss_scale", "initial_scale_power", "loss_scale_window"
              "auto_cast", "consecutive_hysteresis", "fp16_master_weights_and_grads"}
 OFFLOAD_KEYS = {"device", "nvme_path", "pin_memory", "ratio", "buffer_count", "buffer_size", "fast_init",
                 "max_in_cpu", "pipeline_read", "pipeline_write", "pipeline"}
-OPTIMIZERS = ("Adam", "AdamW", "SGD")
+OPTIMIZERS = ("Adam", "AdamW", "SGD", "Adagrad")
 
 
 @dataclass
@@ -254,16 +254,29 @@ def _optimizer(spec: Any) -> Optional[dict[str, Any]]:
 
 
 def build_optimizer(spec: dict[str, Any], params: Any) -> Any:
-    """The torch optimizer for an imported ``optimizer`` spec (DeepSpeed's Adam is AdamW unless
-    ``adam_w_mode`` is false, as in DeepSpeed)."""
+    """The torch optimizer for an imported ``optimizer`` spec, with DeepSpeed's semantics: "Adam" is AdamW
+    unless ``adam_w_mode`` is false; without ``torch_adam`` DeepSpeed runs its fused Adam, whose
+    ``weight_decay`` defaults to 0 (torch's AdamW: 0.01), so the default here is 0 as there;
+    ``bias_correction`` (fused Adam's, on by default) is torch's only behaviour."""
     import torch
 
     p = dict(spec["params"])
     kind = spec["type"]
-    if kind == "Adam":
-        kind = "AdamW" if p.pop("adam_w_mode", True) else "Adam"
-    p.pop("torch_adam", None)
-    p.pop("adam_w_mode", None)
+    if "max_grad_norm" in p:
+        raise DeepSpeedConfigError("optimizer.params.max_grad_norm is not an optimizer setting (DeepSpeed refuses it "
+                                   "too): use the top-level \"gradient_clipping\".")
+    if kind in ("Adam", "AdamW"):
+        adam_w = kind == "AdamW" or bool(p.pop("adam_w_mode", True))
+        torch_adam = bool(p.pop("torch_adam", False))
+        p.pop("adam_w_mode", None)
+        kind = "AdamW" if adam_w else "Adam"
+        if not torch_adam:
+            p.setdefault("weight_decay", 0.0)
+        if not p.pop("bias_correction", True):
+            raise DeepSpeedConfigError("optimizer.params.bias_correction=false is not supported (torch's Adam always "
+                                       "corrects the bias): remove it.")
+        p.pop("set_grad_none", None)
+        p.pop("fp32_optimizer_states", None)
     if "betas" in p:
         p["betas"] = tuple(p["betas"])
     try:

@@ -71,8 +71,13 @@ def model_shards(engine: ZeroEngine) -> dict[str, Any]:
     with allow_state_dict():
         full = engine.module.state_dict(keep_vars=True)
     managed = {id(p) for u in engine.units for p in u.params}
+    # Buffers (BatchNorm statistics) drift apart between ranks after each forward, until the next training
+    # forward takes rank 0's (as DDP): the checkpoint holds rank 0's, as a DDP checkpoint does. Written by
+    # every rank, DCP would spread the replicated entries over the writers and mix ranks' values.
+    keep_plain = engine.comm.rank == 0
     out: dict[str, Any] = {k: v.detach() if isinstance(v, torch.Tensor) else v
-                           for k, v in full.items() if not (isinstance(v, torch.Tensor) and id(v) in managed)}
+                           for k, v in full.items() if not (isinstance(v, torch.Tensor) and id(v) in managed)
+                           and (keep_plain or not isinstance(v, torch.Tensor))}
     for unit in engine.units:
         for slot, name in enumerate(unit.names):
             numel = unit.layout.slots[slot].numel

@@ -34,7 +34,7 @@ from .gather import Gatherer
 from .grads import GradientReducer, ReducePolicy
 from .groups import build_needs, group_lookup, group_modules, members_of, owner_of
 from .guard import install_state_dict_guard
-from .materialize import RngState, check_no_meta_left, has_meta, materialize_module
+from .materialize import RngState, check_no_meta_left, has_meta, materialize_module, model_initializers
 from .offload import Offloader
 from .optim import Routes, check_optimizer, pieces_in_groups, unwrap
 from .readiness import ForwardOrder
@@ -184,9 +184,10 @@ class ZeroEngine:
         if init_rng is not None:
             init_rng.restore()
         remap: dict[int, nn.Parameter] = {}  # to_empty gives meta parameters new objects
+        initializer = model_initializers(modules)
         try:
             for i, (name, module) in enumerate(modules):
-                materialize_module(name, module, self.device, remap)
+                materialize_module(name, module, self.device, remap, initializer(name))
                 for params in done_at.get(i, []):
                     current = [remap.get(id(p), p) for p in params]
                     for old, new in zip(params, current):

@@ -14,10 +14,13 @@ materialized the engine shards them, so no rank ever holds the whole model.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Optional
+
 import torch
 from torch import nn
 
-__all__ = ["has_meta", "materialize_module", "RngState", "check_no_meta_left"]
+__all__ = ["has_meta", "materialize_module", "model_initializers", "RngState", "check_no_meta_left"]
 
 
 class RngState:
@@ -33,6 +36,19 @@ class RngState:
             torch.cuda.set_rng_state(self.cuda)
 
 
+def model_initializers(modules: list[tuple[str, nn.Module]]) -> Callable[[str], Optional[Callable]]:
+    """name -> the initializer of the nearest enclosing model that initializes its submodules itself
+    (Hugging Face's ``PreTrainedModel._init_weights(module)``, which a normal build applies to every module
+    after construction); None where there is none. See :func:`materialize_module`."""
+    owners = {name: m._init_weights for name, m in modules if callable(getattr(m, "_init_weights", None))}
+
+    def initializer(name: str) -> Optional[Callable]:
+        best = max((o for o in owners if o == "" or name == o or name.startswith(o + ".")), key=len, default=None)
+        return owners[best] if best is not None else None
+
+    return initializer
+
+
 def has_meta(module: nn.Module) -> bool:
     return any(t.is_meta for t in module.parameters()) or any(t.is_meta for t in module.buffers())
 
@@ -43,8 +59,11 @@ def _own_meta(module: nn.Module) -> bool:
 
 
 @torch.no_grad()
-def materialize_module(name: str, module: nn.Module, device: torch.device, remap: dict[int, nn.Parameter]) -> None:
-    """Give ``module``'s own meta tensors memory on ``device`` and values from ``reset_parameters``.
+def materialize_module(name: str, module: nn.Module, device: torch.device, remap: dict[int, nn.Parameter],
+                       model_init: Optional[Callable[[nn.Module], None]] = None) -> None:
+    """Give ``module``'s own meta tensors memory on ``device`` and values from ``reset_parameters``, then from
+    ``model_init(module)`` when the enclosing model has one (a Hugging Face model: its own initialization
+    overrides the modules' defaults in a normal build too, and covers modules without ``reset_parameters``).
 
     ``to_empty`` replaces meta Parameter objects by new ones; ``remap`` (id of the old -> new)
     collects them, and references to an already replaced parameter (a tied weight) are
@@ -62,7 +81,9 @@ def materialize_module(name: str, module: nn.Module, device: torch.device, remap
     reset = getattr(module, "reset_parameters", None)
     if callable(reset):
         reset()
-    elif has_params:
+    if model_init is not None:
+        model_init(module)
+    elif not callable(reset) and has_params:
         raise RuntimeError(
             f"Module '{name or type(module).__name__}' ({type(module).__name__}) was built on the meta device but has "
             f"no reset_parameters(), so its parameters and buffers cannot be initialized shard by shard. Add a "
