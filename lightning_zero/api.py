@@ -140,7 +140,7 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None,
         raise ValueError("initialize(mpu=... / mesh_param=...): lightning_zero shards over data parallelism only; "
                          "tensor/pipeline model parallelism is not supported.")
     ds = _import(_config_source(args, config, config_params))
-    if dist_init_required is not False and not dist.is_initialized() and "WORLD_SIZE" in os.environ:
+    if dist_init_required is not False and not dist.is_initialized():  # as DeepSpeed: a plain process is a group of 1
         init_distributed(distributed_port=distributed_port)
     device = _device()
     comm = (Comm.from_group(None) if dist.is_initialized() else Comm()).with_control()

@@ -27,13 +27,20 @@ class Net(nn.Module):
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         x = self.emb(idx).mean(1)
-        x = self.bn(torch.tanh(self.norm(self.fc(x))))
-        return self.head(self.out(x))
+        x = torch.tanh(self.norm(self.fc(x)))
+        bn, stats = self.bn, self.bn.running_mean.dtype  # bf16 runs: the statistics may keep another dtype
+        x = nn.functional.batch_norm(x.to(stats), bn.running_mean, bn.running_var, bn.weight.to(stats),
+                                     bn.bias.to(stats), self.training, bn.momentum, bn.eps)
+        return self.head(self.out(x.to(self.out.weight.dtype)))
 
 
-def build() -> Net:
+def build(frozen: bool = False) -> Net:
+    """``frozen``: ``fc`` does not train (DeepSpeed keeps it apart, as frozen parameters)."""
     torch.manual_seed(0)
-    return Net()
+    net = Net()
+    if frozen:
+        net.fc.requires_grad_(False)
+    return net
 
 
 def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:

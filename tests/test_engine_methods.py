@@ -50,3 +50,32 @@ def test_gathered_parameters_read_and_modify(stage):
         assert r["read"] and r["discarded"] and r["modified"]
         assert r["forward_err"] < 1e-6
         assert r["shape_outside"] == (4,)
+
+
+PLAIN = """
+import sys, torch, lightning_zero as deepspeed
+from torch import nn
+torch.manual_seed(0)
+m = nn.Linear(4, 2)
+e, o, _, _ = deepspeed.initialize(model=m, config={"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3},
+                                                   "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}})
+for i in range(3):
+    e.backward(e(torch.randn(2, 4)).sum())
+    e.step()
+e.save_checkpoint(sys.argv[1], client_state={"a": 1})
+before = e.full_state_dict()
+print(e.load_checkpoint(sys.argv[1]), e.world_size, all(torch.equal(before[k], v) for k, v in e.full_state_dict().items()))
+"""
+
+
+def test_plain_process_trains_saves_and_loads(tmp_path):
+    """No torchrun, no process group: as DeepSpeed, the engine runs as a group of one, checkpoints included."""
+    import subprocess
+    import sys
+
+    from dist_utils import job_env
+
+    out = subprocess.run([sys.executable, "-c", PLAIN, str(tmp_path)], capture_output=True, text=True, timeout=120,
+                         env=job_env(PYTHONWARNINGS="ignore"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() == f"('{tmp_path}/global_step3', {{'a': 1}}) 1 True"

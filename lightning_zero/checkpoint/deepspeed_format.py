@@ -268,6 +268,10 @@ class DeepSpeedCheckpoint:
             state = {k: v.float().clone() for k, v in module.items() if k not in set(self.model.get("buffer_names") or [])}
         if not exclude_frozen:
             state.update(self._frozen_values())
+            if self.stage < 3:  # stage 1 records no frozen_param_shapes: its module holds them whole
+                buffers, shared = set(self.model.get("buffer_names") or []), set(self.shared)
+                state.update({k: v.float().clone() for k, v in module.items() if k not in state
+                              and k not in buffers and k not in shared and isinstance(v, torch.Tensor)})
         for name in self.model.get("buffer_names") or []:
             if name in module:
                 state[name] = module[name].clone()
@@ -344,7 +348,12 @@ def lightning_checkpoint(path: Any, module: torch.nn.Module) -> dict[str, Any]:
         warnings.warn(f"{ckpt.path} was written by DeepSpeed's engine, not by Lightning: the weights and the optimizer "
                       f"state are restored, the training loop starts at step 0 and the LR scheduler from its start "
                       f"(the checkpoint was at global step {ckpt.global_steps}).", stacklevel=2)
+        import lightning
+
         checkpoint.setdefault("lr_schedulers", [])
+        checkpoint.setdefault("pytorch-lightning_version", lightning.__version__)
+        checkpoint.setdefault("epoch", 0)
+        checkpoint.setdefault("global_step", 0)
     return checkpoint
 
 

@@ -48,8 +48,9 @@ def full_model_state(engine: ZeroEngine, keep: bool = True) -> dict[str, torch.T
     managed = {id(p) for u in engine.units for p in u.params}
     with allow_state_dict():
         plain = module.state_dict(keep_vars=True)
-    state = {k: v.detach().cpu() if not isinstance(v, torch.Tensor) or id(v) not in managed else None
-             for k, v in plain.items()}
+    # copies (as the parameters' values are): a later step must not change a state dict already handed out
+    state = {k: (v.detach().cpu().clone() if keep else None) if isinstance(v, torch.Tensor) and id(v) not in managed
+             else v if not isinstance(v, torch.Tensor) else None for k, v in plain.items()}
     for unit, full in engine.gather_masters():
         if not keep:
             continue
