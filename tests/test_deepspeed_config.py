@@ -6,11 +6,13 @@ import json
 import math
 
 import pytest
+import torch
 from deepspeed_cases import fit_from_json
 from dist_utils import run_ranks
 
 from lightning_zero import ZeroStrategy
-from lightning_zero.ds_config import DeepSpeedConfigError, check_batch, import_deepspeed_config
+from lightning_zero.config import ZeroConfigError
+from lightning_zero.ds_config import DeepSpeedConfigError, build_optimizer, check_batch, import_deepspeed_config
 from lightning_zero.ds_schedules import UnsupportedScheduleError
 
 REAL = "/work/shared/examples/ds_config.json"
@@ -74,14 +76,16 @@ def test_the_real_users_config_loads_with_the_messages_they_need():
 
 
 @pytest.mark.parametrize("ds,needle", [
-    ({"zero_optimization": {"stage": 0}}, "plain data parallelism"),
+    ({"zero_optimization": {"stage": 5}}, "use 1, 2 or 3"),
+    ({"zero_optimization": {"stage": 2}, "lightning_zero": {"prefetchh": 2}}, "did you mean 'prefetch'"),
+    ({"zero_optimization": {"stage": 2}, "lightning_zero": {"scheduler_on_skip": "later"}}, "scheduler_on_skip"),
     ({"zero_optimization": {"stage": 2}, "fp16": {"enabled": True}, "bf16": {"enabled": True}}, "choose one"),
     ({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}, "without offload_optimizer"),
     ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "gpu"}}}, "'cpu', 'nvme' or 'none'"),
     ({"zero_optimization": {"stage": 2}, "optimizer": {"type": "Lamb"}}, "not supported"),
 ])
 def test_contradictions_are_one_line_errors(ds, needle):
-    with pytest.raises(DeepSpeedConfigError) as err:
+    with pytest.raises((DeepSpeedConfigError, ZeroConfigError)) as err:
         import_deepspeed_config(ds)
     assert needle in str(err.value) and "\n" not in str(err.value)
 
@@ -135,3 +139,53 @@ def test_the_real_config_trains_under_lightning(trained):
 def test_wrong_micro_batch_is_one_error_with_the_arithmetic(trained):
     _, bad = trained
     assert bad[0]["error"] == "DeepSpeedConfigError" and "16 x 2 x 2 = 64" in bad[0]["message"]
+
+
+def test_stage_zero_runs_as_stage_one_and_says_so():
+    """DeepSpeed's default (no zero_optimization, or stage 0) is plain data parallelism: ZeRO-1 trains the same."""
+    for ds in ({}, {"zero_optimization": {"stage": 0}}):
+        r = import_deepspeed_config(ds)
+        assert r.zero.stage == 1 and any("runs here as ZeRO stage 1" in w for w in r.warnings)
+    r = import_deepspeed_config({"zero_optimisation": {"stage": 3}})  # misspelt: named, not silently stage 1
+    assert any("did you mean 'zero_optimization'" in w for w in r.warnings)
+
+
+def test_own_section_sets_fields_deepspeed_has_no_key_for():
+    r = import_deepspeed_config({"zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": 0},
+                                 "lightning_zero": {"scheduler_on_skip": "advance", "prefetch": 3}})
+    assert (r.zero.stage, r.zero.scheduler_on_skip, r.zero.prefetch) == (3, "advance", 3)  # the section wins
+
+
+def _params():
+    return [torch.nn.Parameter(torch.zeros(3))]
+
+
+@pytest.mark.parametrize("spec,kind,checks", [
+    # DeepSpeed's "Adam" is AdamW (adam_w_mode defaults to true); its fused Adam's weight_decay defaults to 0
+    ({"type": "Adam", "params": {"lr": 1e-3}}, torch.optim.AdamW, {"weight_decay": 0.0}),
+    ({"type": "AdamW", "params": {"lr": 1e-3}}, torch.optim.AdamW, {"weight_decay": 0.0}),
+    ({"type": "Adam", "params": {"lr": 1e-3, "adam_w_mode": False}}, torch.optim.Adam, {"weight_decay": 0.0}),
+    # torch_adam: torch's own class with torch's defaults, as DeepSpeed builds it
+    ({"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}, torch.optim.AdamW, {"weight_decay": 0.01}),
+    ({"type": "adamw", "params": {"lr": 1e-3, "betas": [0.8, 0.9], "bias_correction": True}}, torch.optim.AdamW,
+     {"betas": (0.8, 0.9)}),
+    ({"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}}, torch.optim.SGD, {"momentum": 0.9}),
+    ({"type": "Adagrad", "params": {"lr": 0.1}}, torch.optim.Adagrad, {"lr": 0.1}),
+])
+def test_optimizers_are_built_with_deepspeeds_semantics(spec, kind, checks):
+    from lightning_zero.ds_config import _optimizer
+
+    opt = build_optimizer(_optimizer(spec), _params())
+    assert type(opt) is kind
+    for key, value in checks.items():
+        assert opt.param_groups[0][key] == value, key
+
+
+@pytest.mark.parametrize("params,needle", [({"bias_correction": False}, "bias_correction"),
+                                           ({"max_grad_norm": 1.0}, "gradient_clipping"),
+                                           ({"lr": 1e-3, "nesterov_typo": True}, "nesterov_typo")])
+def test_optimizer_params_that_cannot_be_honoured(params, needle):
+    from lightning_zero.ds_config import _optimizer
+
+    with pytest.raises(DeepSpeedConfigError, match=needle):
+        build_optimizer(_optimizer({"type": "AdamW", "params": params}), _params())
