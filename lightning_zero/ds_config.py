@@ -19,7 +19,7 @@ from typing import Any, Optional, Union
 
 from .config import ZeroConfig
 
-__all__ = ["DeepSpeedConfigError", "DeepSpeedImport", "import_deepspeed_config", "check_batch"]
+__all__ = ["DeepSpeedConfigError", "DeepSpeedImport", "import_deepspeed_config", "check_batch", "resolve_batch"]
 
 
 class DeepSpeedConfigError(ValueError):
@@ -283,6 +283,35 @@ def build_optimizer(spec: dict[str, Any], params: Any) -> Any:
         return getattr(torch.optim, kind)(params, **p)
     except TypeError as err:
         raise DeepSpeedConfigError(f"DeepSpeed optimizer {spec['type']} params {sorted(spec['params'])}: {err}.") from None
+
+
+def resolve_batch(tbs: Optional[int], mbs: Optional[int], gas: Optional[int], world: int
+                  ) -> tuple[Optional[int], Optional[int], Optional[int]]:
+    """(train_batch_size, micro-batch per rank, accumulation steps) with DeepSpeed's rules: any two give the third
+    (a missing accumulation is 1 when only one size is given); all three must agree. None where nothing says."""
+    def need(value: int, whole: int, part: int, name: str) -> int:
+        if part <= 0 or whole % part:
+            raise DeepSpeedConfigError(
+                f"train_batch_size={tbs} cannot be split into {name} over world size {world} "
+                f"(train_micro_batch_size_per_gpu={mbs}, gradient_accumulation_steps={gas}): choose sizes whose "
+                f"product is train_batch_size.")
+        return value
+
+    if tbs is not None and mbs is not None and gas is not None:
+        if tbs != mbs * gas * world:
+            raise DeepSpeedConfigError(
+                f"train_batch_size={tbs} does not match train_micro_batch_size_per_gpu x gradient_accumulation_steps "
+                f"x world size = {mbs} x {gas} x {world} = {mbs * gas * world}: fix one of them.")
+        return tbs, mbs, gas
+    if tbs is not None and mbs is not None:
+        return tbs, mbs, need(tbs // (mbs * world), tbs, mbs * world, "micro-batches of " + str(mbs))
+    if tbs is not None and gas is not None:
+        return tbs, need(tbs // (gas * world), tbs, gas * world, f"{gas} accumulation steps"), gas
+    if tbs is not None:
+        return tbs, need(tbs // world, tbs, world, "equal micro-batches"), 1
+    if mbs is not None:
+        return mbs * (gas or 1) * world, mbs, gas or 1
+    return None, None, gas
 
 
 def check_batch(imported: DeepSpeedImport, micro_batch: Optional[int], world: int, accumulate: int) -> None:

@@ -13,7 +13,14 @@ from collections.abc import Callable
 from typing import Any, Optional
 
 from .config import ZeroConfig
-from .ds_config import DeepSpeedConfigError, DeepSpeedImport, build_optimizer, check_batch, import_deepspeed_config
+from .ds_config import (
+    DeepSpeedConfigError,
+    DeepSpeedImport,
+    build_optimizer,
+    check_batch,
+    import_deepspeed_config,
+    resolve_batch,
+)
 
 __all__ = ["resolve", "optimizer_and_scheduler", "configure_optimizers_from", "install_optimizers", "apply_to_trainer",
            "precision_for", "check_loader_batch"]
@@ -78,15 +85,19 @@ def install_optimizers(ds: DeepSpeedImport, model: Any, warn: Callable[[str], No
         model.configure_optimizers = types.MethodType(configure_optimizers_from(ds), model)
 
 
-def apply_to_trainer(ds: DeepSpeedImport, trainer: Any) -> None:
-    """``gradient_clipping`` and ``gradient_accumulation_steps`` of the file, unless the Trainer says otherwise."""
+def apply_to_trainer(ds: DeepSpeedImport, trainer: Any, world_size: int = 1) -> None:
+    """``gradient_clipping`` and ``gradient_accumulation_steps`` of the file (stated, or derived from the batch
+    sizes as DeepSpeed derives it), unless the Trainer says otherwise."""
     if ds.gradient_clip_val is not None:
         if trainer.gradient_clip_val not in (None, 0, ds.gradient_clip_val):
             raise DeepSpeedConfigError(f"gradient_clipping={ds.gradient_clip_val} in the DeepSpeed config but "
                                        f"Trainer(gradient_clip_val={trainer.gradient_clip_val}): keep one of them.")
         trainer.gradient_clip_val = ds.gradient_clip_val
-    if ds.accumulate is not None and trainer.accumulate_grad_batches == 1:
-        trainer.accumulate_grad_batches = ds.accumulate
+    accumulate = ds.accumulate
+    if accumulate is None and ds.train_batch_size is not None and ds.micro_batch_per_gpu is not None:
+        accumulate = resolve_batch(ds.train_batch_size, ds.micro_batch_per_gpu, None, world_size)[2]
+    if accumulate is not None and trainer.accumulate_grad_batches == 1:
+        trainer.accumulate_grad_batches = accumulate
 
 
 def precision_for(ds: Optional[DeepSpeedImport], given: Optional[str], ours: bool) -> Optional[str]:

@@ -27,7 +27,7 @@ from torch import nn
 
 from .checkpoint import deepspeed_format, sharded
 from .collectives import Comm
-from .ds_config import DeepSpeedImport
+from .ds_config import DeepSpeedImport, resolve_batch
 from .engine import ZeroEngine
 from .engine.materialize import RngState
 from .engine.state import full_model_state, load_model_state, load_optimizer_state
@@ -60,6 +60,9 @@ class ZeroModelEngine(nn.Module):
         self.zero = ZeroEngine(model, [optimizer], ds.zero, comm, device, self.compute_dtype, init_rng=init_rng,
                                free_grads_at_step=True)
         self.scaling = LossScaling(make_scaler(ds.zero, self.compute_dtype))
+        # DeepSpeed derives the missing one of batch / micro-batch / accumulation and refuses a mismatch
+        tbs, mbs, gas = resolve_batch(ds.train_batch_size, ds.micro_batch_per_gpu, ds.accumulate, comm.world_size)
+        self._batch, self._micro_batch, self._accumulate = tbs, mbs or 1, gas or 1
         self.micro_steps = 0
         self.global_steps = 0
         self.global_samples = 0
@@ -106,18 +109,13 @@ class ZeroModelEngine(nn.Module):
         return self.ds.gradient_clip_val or 0.0
 
     def gradient_accumulation_steps(self) -> int:
-        return self.ds.accumulate or 1
+        return self._accumulate
 
     def train_micro_batch_size_per_gpu(self) -> int:
-        if self.ds.micro_batch_per_gpu:
-            return self.ds.micro_batch_per_gpu
-        if self.ds.train_batch_size:
-            return self.ds.train_batch_size // (self.gradient_accumulation_steps() * self.world_size)
-        return 1
+        return self._micro_batch
 
     def train_batch_size(self) -> int:
-        return self.ds.train_batch_size or self.train_micro_batch_size_per_gpu() * self.gradient_accumulation_steps() \
-            * self.world_size
+        return self._batch or self._micro_batch * self._accumulate * self.world_size
 
     def is_gradient_accumulation_boundary(self) -> bool:
         if self._boundary is not None:

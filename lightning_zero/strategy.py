@@ -176,7 +176,7 @@ class ZeroStrategy(ParallelStrategy):
         self.accelerator.setup(trainer)
         self._failed = False
         if self.deepspeed is not None:
-            ds_glue.apply_to_trainer(self.deepspeed, trainer)
+            ds_glue.apply_to_trainer(self.deepspeed, trainer, self.world_size)
         fitting = trainer.state.fn == TrainerFn.FITTING
         if self.engine is None or fitting or self.engine.module is not self.lightning_module:
             self._release_engine()

@@ -189,3 +189,27 @@ def test_optimizer_params_that_cannot_be_honoured(params, needle):
 
     with pytest.raises(DeepSpeedConfigError, match=needle):
         build_optimizer(_optimizer({"type": "AdamW", "params": params}), _params())
+
+
+@pytest.mark.parametrize("given,world,want", [
+    ((32, 4, None), 2, (32, 4, 4)),       # DeepSpeed derives the accumulation from the two sizes
+    ((32, None, 2), 2, (32, 8, 2)),       # ... or the micro-batch
+    ((32, None, None), 4, (32, 8, 1)),    # only the batch: no accumulation
+    ((None, 4, 3), 2, (24, 4, 3)),
+    ((None, 4, None), 2, (8, 4, 1)),
+    ((16, 4, 2), 2, (16, 4, 2)),
+    ((None, None, None), 2, (None, None, None)),
+])
+def test_batch_sizes_resolve_as_deepspeed(given, world, want):
+    from lightning_zero.ds_config import resolve_batch
+
+    assert resolve_batch(*given, world) == want
+
+
+@pytest.mark.parametrize("given,world,needle", [((16, 4, 1), 2, "4 x 1 x 2 = 8"), ((30, 4, None), 2, "cannot be split"),
+                                                ((9, None, None), 2, "cannot be split")])
+def test_batch_sizes_that_disagree(given, world, needle):
+    from lightning_zero.ds_config import resolve_batch
+
+    with pytest.raises(DeepSpeedConfigError, match=needle):
+        resolve_batch(*given, world)
