@@ -30,7 +30,10 @@ def resolve(config: Optional[ZeroConfig], deepspeed_config: Any, options: dict[s
             warn: Callable[[str], None]) -> tuple[ZeroConfig, Optional[DeepSpeedImport]]:
     """The run's config: ``config``, filled by the DeepSpeed JSON where it says something, then ``options``
     (explicit keyword arguments win over both)."""
+    from .presets import as_config
+
     ds = None
+    config = as_config(config)
     base = config or ZeroConfig()
     if deepspeed_config is not None:
         ds = import_deepspeed_config(deepspeed_config, base=config)

@@ -76,19 +76,51 @@ def table(rows: list[Placement], hw: Hardware) -> str:
     return "\n".join(lines)
 
 
+# Lightning's precision names and their common spellings -> (the name shown, bytes a parameter computes in)
+PRECISIONS = {"32-true": ("32-true", 4), "32": ("32-true", 4), "fp32": ("32-true", 4), "float32": ("32-true", 4),
+              "bf16-mixed": ("bf16-mixed", 2), "bf16": ("bf16-mixed", 2), "16-mixed": ("16-mixed", 2),
+              "16": ("16-mixed", 2), "fp16": ("16-mixed", 2)}
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but every error is one line (no usage block): ``PROG: error: ...``, exit 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def _check_ranges(ap: _Parser, args: argparse.Namespace) -> None:
+    """Sizes and counts must be finite and positive (NVMe and activations may be 0)."""
+    import math
+
+    rules = [("params", args.params, False), ("gpu-mem", args.gpu_mem, False), ("host-mem", args.host_mem, False),
+             ("nvme", args.nvme, True), ("activations", args.activations, True), ("gpus-per-node", args.gpus_per_node, False),
+             ("nodes", args.nodes, False), ("batch", args.batch, False), ("seq", args.seq, False),
+             ("accumulate", args.accumulate, False)]
+    for name, value, zero_ok in rules:
+        if value is None:
+            continue
+        if not math.isfinite(value) or value < 0 or (value == 0 and not zero_ok):
+            ap.error(f"--{name} {value:g}: give a finite number {'>= 0' if zero_ok else '> 0'}")
+    if args.params is not None and args.params < 1:
+        ap.error(f"--params {args.params:g}: a model has at least one parameter (e.g. --params 1.3e9)")
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     model = next((a.split("=", 1)[1] for a in argv if a.startswith("model=")), None)
     overrides = [a for a in argv if "=" in a and not a.startswith("-") and not a.startswith("model=")]
     flags = [a for a in argv if a.startswith("-") or "=" not in a]
-    ap = argparse.ArgumentParser(prog="python -m lightning_zero.estimate", description=__doc__.split("\n\n")[0])
+    ap = _Parser(prog="python -m lightning_zero.estimate", description=__doc__.split("\n\n")[0])
     ap.add_argument("--params", type=float, help="parameter count (e.g. 1.3e9); or give model=NAME")
     ap.add_argument("--gpus-per-node", type=int, default=1)
     ap.add_argument("--nodes", type=int, default=1)
     ap.add_argument("--gpu-mem", type=float, default=139.0, help="GiB per GPU")
     ap.add_argument("--host-mem", type=float, default=125.0, help="GiB per node")
     ap.add_argument("--nvme", type=float, default=0.0, help="GiB of NVMe space per node")
-    ap.add_argument("--precision", default="bf16-mixed", help="bf16-mixed, 16-mixed or 32-true")
+    ap.add_argument("--precision", default="bf16-mixed",
+                    help="bf16-mixed, 16-mixed or 32-true (also bf16, fp16, 16, fp32, 32)")
     ap.add_argument("--batch", type=int, default=8, help="micro-batch per GPU (activation estimate)")
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--accumulate", type=int, default=1,
@@ -101,12 +133,19 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = ap.parse_args(flags)
     if (args.params is None) == (model is None):
         ap.error("give exactly one of --params N or model=NAME")
+    if args.precision not in PRECISIONS:
+        ap.error(f"--precision {args.precision!r} is not one of {', '.join(PRECISIONS)}")
+    args.precision, p = PRECISIONS[args.precision]
+    _check_ranges(ap, args)
     shape: dict = {}
     if model is not None:
-        numel, shape = count_model(model, overrides)
+        try:
+            numel, shape = count_model(model, overrides)
+        except Exception as err:  # noqa: BLE001 - Hydra's composition errors span many lines: one line here
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            ap.error(f"model={model} {' '.join(overrides)}: {first} (models: conf/model/*.yaml)")
     else:
         numel = int(args.params)
-    p = 4 if args.precision.startswith("32") else 2
     how = "given"
     if args.activations is not None:
         act = int(args.activations * GiB)
@@ -128,8 +167,6 @@ def main(argv: Optional[list[str]] = None) -> int:
         act = 0
     hw = Hardware(gpus_per_node=args.gpus_per_node, nodes=args.nodes, gpu_bytes=int(args.gpu_mem * GiB),
                   host_bytes=int(args.host_mem * GiB), nvme_bytes=int(args.nvme * GiB))
-    if args.accumulate < 1:
-        ap.error(f"--accumulate {args.accumulate}: use 1 or more micro-batches per step")
     rows = plan(numel, hw, compute_bytes=p, activations=act, tokens_per_step=args.batch * args.seq * hw.world,
                 accumulate=args.accumulate)
     print(f"{numel:,} parameters ({numel / 1e9:.2f}B), {args.precision}, activations {act / GiB:.1f} GiB per GPU, "

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from .config import ZeroConfig
+import difflib
+from typing import Any, Optional
 
-__all__ = ["PRESETS"]
+from .config import ZeroConfig, ZeroConfigError
+
+__all__ = ["PRESETS", "preset_config", "as_config"]
 
 PRESETS = (
     ("zero1", "ZeRO stage 1: shards optimizer state", ZeroConfig(stage=1)),
@@ -19,3 +22,26 @@ PRESETS = (
     ("zero_auto", "ZeRO with the stage and offload placement planned at setup for the devices and model",
      ZeroConfig(auto_placement=True)),
 )
+
+
+def preset_config(name: str) -> ZeroConfig:
+    """The config a strategy name stands for (``"zero3"``); an unknown name is one error with a close match."""
+    for preset, _, config in PRESETS:
+        if preset == name:
+            return config
+    names = [p for p, _, _ in PRESETS]
+    close = difflib.get_close_matches(str(name), names, n=1)
+    raise ZeroConfigError(f"Unknown strategy name {name!r}" + (f" — did you mean {close[0]!r}?" if close else "") +
+                          f" Names: {', '.join(names)}.")
+
+
+def as_config(config: Any) -> Optional[ZeroConfig]:
+    """What ``ZeroStrategy(config=...)`` accepts: a ZeroConfig, a strategy name or a dict of ZeroConfig fields."""
+    if config is None or isinstance(config, ZeroConfig):
+        return config
+    if isinstance(config, str):
+        return preset_config(config)
+    if isinstance(config, dict):
+        return ZeroConfig.from_dict(config)
+    raise ZeroConfigError(f"ZeroStrategy(config=...) takes a ZeroConfig, a strategy name ('zero3') or a dict of "
+                          f"ZeroConfig fields; got {type(config).__name__}.")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, TorchCheckpointIO
@@ -45,8 +45,9 @@ class ZeroStrategy(ParallelStrategy):
     """ZeRO stages 1-3 for any LightningModule.
 
     Args:
-        config: the ZeRO settings; fields may also be given as keyword arguments
-            (``ZeroStrategy(stage=3, prefetch=2)``), which override the config's.
+        config: the ZeRO settings: a ZeroConfig, a strategy name (``ZeroStrategy("zero3")``) or a dict of
+            ZeroConfig fields; fields may also be given as keyword arguments (``ZeroStrategy(stage=3, prefetch=2)``),
+            which override the config's.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin:
             as for Lightning's DDPStrategy (the Trainer fills them in).
         process_group_backend: "nccl" on GPUs and "gloo" on CPU by default.
@@ -56,7 +57,7 @@ class ZeroStrategy(ParallelStrategy):
 
     strategy_name = "zero"
 
-    def __init__(self, config: Optional[ZeroConfig] = None, accelerator: Any = None,
+    def __init__(self, config: Union[ZeroConfig, str, dict, None] = None, accelerator: Any = None,
                  parallel_devices: Optional[list[torch.device]] = None,
                  cluster_environment: Optional[ClusterEnvironment] = None,
                  checkpoint_io: Optional[CheckpointIO] = None, precision_plugin: Optional[Precision] = None,
