@@ -104,18 +104,99 @@ def _enabled(section: Any) -> bool:
     return isinstance(section, dict) and bool(section.get("enabled", False))
 
 
+# [Note: "auto" and typed values]
+# Configs written for Hugging Face's Trainer are full of "auto", which that integration fills from the
+# TrainingArguments and the model. Here a run's own settings fill them: the batch sizes, accumulation and
+# clipping from the DataLoader and the Trainer (the keys are dropped: the Trainer's values stand, and are
+# checked against the JSON where the JSON has numbers), fp16/bf16 from the Trainer's precision, the bucket and
+# threshold sizes from our defaults (sized per model), a scheduler's warmup_max_lr from the optimizer's lr.
+# Optimizer hyper-parameters and step counts have no source here: "auto" there is an error naming the key
+# when that optimizer or scheduler is built (not when configure_optimizers builds its own). Booleans accept
+# what DeepSpeed's own (pydantic) parser accepts ("true"/"false"/0/1...); numbers must be numbers.
+_AUTO_FROM_RUN = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+                  "gradient_clipping", "fp16.enabled", "bf16.enabled", "zero_optimization.reduce_bucket_size",
+                  "zero_optimization.stage3_prefetch_bucket_size", "zero_optimization.stage3_param_persistence_threshold",
+                  "zero_optimization.allgather_bucket_size", "zero_optimization.sub_group_size",
+                  "zero_optimization.stage3_max_live_parameters", "zero_optimization.stage3_max_reuse_distance",
+                  "zero_optimization.stage3_gather_16bit_weights_on_model_save",
+                  "zero_optimization.gather_16bit_weights_on_model_save"}
+_AUTO_AT_BUILD = ("optimizer.params.", "scheduler.params.")
+_BOOL_KEYS = {"fp16.enabled", "bf16.enabled", "zero_optimization.overlap_comm", "zero_optimization.cpu_offload",
+              "zero_optimization.cpu_offload_params", "zero_optimization.cpu_offload_use_pin_memory",
+              "zero_optimization.offload_optimizer.pin_memory", "zero_optimization.offload_param.pin_memory",
+              "zero_optimization.contiguous_gradients", "zero_optimization.allgather_partitions",
+              "zero_optimization.reduce_scatter", "zero_allow_untested_optimizer", "optimizer.params.torch_adam",
+              "optimizer.params.adam_w_mode", "optimizer.params.bias_correction", "optimizer.params.amsgrad",
+              "optimizer.params.nesterov", "wall_clock_breakdown", "prescale_gradients"}
+_TRUE, _FALSE = {"true", "1", "yes", "on", "t", "y"}, {"false", "0", "no", "off", "f", "n"}
+
+
+def as_bool(value: Any, where: str) -> bool:
+    """A JSON flag as DeepSpeed's parser reads it; anything else is an error naming the key."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
+        return value.strip().lower() in _TRUE
+    raise DeepSpeedConfigError(f"{where}={value!r} is not a boolean: use true or false.")
+
+
+def as_number(value: Any, where: str, kind: type = int) -> Any:
+    """A JSON number (an integral float such as 5e8 for an int); strings and booleans are errors naming the key."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+        hint = " ('auto' is filled from the run only where the README's DeepSpeed table says)" if value == "auto" else ""
+        raise DeepSpeedConfigError(f"{where}={value!r} is not a number{hint}: give a number.")
+    if kind is int:
+        if float(value) != int(value):
+            raise DeepSpeedConfigError(f"{where}={value!r} must be a whole number.")
+        return int(value)
+    return float(value)
+
+
+def _normalize(ds: dict, notes: list[str], prefix: str = "") -> dict:
+    """The config with "auto" resolved or dropped and flags read as booleans (see [Note: "auto" and typed values])."""
+    out = {}
+    for key, value in ds.items():
+        where = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out[key] = _normalize(value, notes, where + ".")
+        elif isinstance(value, str) and value == "auto":
+            if where in _AUTO_FROM_RUN:
+                notes.append(f"{where}: 'auto' takes the run's own value")
+                continue
+            if where == "scheduler.params.warmup_min_lr":
+                out[key] = 0.0
+                continue
+            if where.startswith(_AUTO_AT_BUILD):
+                out[key] = value  # resolved or refused when the optimizer / scheduler is built
+                continue
+            raise DeepSpeedConfigError(f"{where} is 'auto', which only Hugging Face's Trainer can fill: give it a "
+                                       f"value.")
+        elif where in _BOOL_KEYS:
+            out[key] = as_bool(value, where)
+        else:
+            out[key] = value
+    return out
+
+
 def import_deepspeed_config(source: Union[str, Path, dict], base: Optional[ZeroConfig] = None) -> DeepSpeedImport:
     """Map a DeepSpeed config (path or dict) onto ZeroConfig and Trainer settings."""
-    ds = _load(source)
     notes: list[str] = []
+    ds = _normalize(_load(source), notes)
     unmapped: list[str] = []
+    for key in sorted(set(ds) - TOP_KEYS - TOP_UNMAPPED):  # a misspelt section would silently change the run
+        close = difflib.get_close_matches(key, sorted(TOP_KEYS), n=1, cutoff=0.8)
+        if close and close[0] not in ds:
+            raise DeepSpeedConfigError(f"'{key}' is not a DeepSpeed key — did you mean '{close[0]}'? As written the "
+                                       f"section would be ignored.")
     _unknown(set(ds), TOP_KEYS | TOP_UNMAPPED, "", notes)
     unmapped += sorted(k for k in ds if k in TOP_UNMAPPED)
     values: dict[str, Any] = {}
     zero = dict(ds.get("zero_optimization", {}))
     _unknown(set(zero), set(ZERO_KEYS) | set(ZERO_UNMAPPED), "zero_optimization.", notes)
     unmapped += [f"zero_optimization.{k} ({ZERO_UNMAPPED[k]})" for k in sorted(zero) if k in ZERO_UNMAPPED]
-    stage = int(zero.get("stage", 0))
+    stage = as_number(zero.get("stage", 0), "zero_optimization.stage")
     if stage < 3 and any("did you mean 'offload_param'" in n for n in notes):
         notes.append(f"offload_param itself only applies to stage 3: under stage {stage} DeepSpeed keeps parameters "
                      f"on the GPU too")
@@ -130,8 +211,10 @@ def import_deepspeed_config(source: Union[str, Path, dict], base: Optional[ZeroC
     for key, target in (("overlap_comm", "overlap_comm"), ("reduce_bucket_size", "reduce_bucket_size"),
                         ("stage3_param_persistence_threshold", "param_persistence_threshold")):
         if key in zero:
-            values[target] = type(getattr(ZeroConfig, target))(zero[key])
-    if "stage3_prefetch_bucket_size" in zero and int(zero["stage3_prefetch_bucket_size"]) == 0:
+            kind = type(getattr(ZeroConfig, target))
+            values[target] = zero[key] if kind is bool else as_number(zero[key], f"zero_optimization.{key}", kind)
+    if "stage3_prefetch_bucket_size" in zero and as_number(zero["stage3_prefetch_bucket_size"],
+                                                           "zero_optimization.stage3_prefetch_bucket_size") == 0:
         values["prefetch"] = 0
     _offload_optimizer(zero, values, notes)
     _offload_params(zero, stage, values, notes)
@@ -142,11 +225,17 @@ def import_deepspeed_config(source: Union[str, Path, dict], base: Optional[ZeroC
     config = (base or ZeroConfig()).replace(**values)
     out = DeepSpeedImport(zero=config, precision=precision, warnings=notes)
     clip = ds.get("gradient_clipping")
-    out.gradient_clip_val = float(clip) if clip else None
+    out.gradient_clip_val = as_number(clip, "gradient_clipping", float) if clip is not None else None
+    if out.gradient_clip_val is not None and out.gradient_clip_val < 0:
+        raise DeepSpeedConfigError(f"gradient_clipping={clip} is negative: use 0 (off) or a positive norm.")
+    out.gradient_clip_val = out.gradient_clip_val or None
     for key, attr in (("train_batch_size", "train_batch_size"), ("train_micro_batch_size_per_gpu", "micro_batch_per_gpu"),
                       ("gradient_accumulation_steps", "accumulate")):
-        if ds.get(key) not in (None, "auto"):
-            setattr(out, attr, int(ds[key]))
+        if ds.get(key) is not None:
+            number = as_number(ds[key], key)
+            if number < 1:
+                raise DeepSpeedConfigError(f"{key}={ds[key]} must be 1 or more.")
+            setattr(out, attr, number)
     out.optimizer = _optimizer(ds.get("optimizer"))
     out.scheduler = ds.get("scheduler")
     if out.scheduler is not None:
@@ -196,7 +285,7 @@ def _offload_optimizer(zero: dict, values: dict, notes: list[str]) -> None:
     if section.get("nvme_path"):
         values["nvme_path"] = str(section["nvme_path"])
     if "ratio" in section and device != "none":
-        values["offload_fraction"] = float(section["ratio"])
+        values["offload_fraction"] = as_number(section["ratio"], "zero_optimization.offload_optimizer.ratio", float)
 
 
 def _offload_params(zero: dict, stage: int, values: dict, notes: list[str]) -> None:
@@ -235,7 +324,7 @@ def _precision(ds: dict, values: dict, notes: list[str]) -> Optional[str]:
                             ("loss_scale_window", "loss_scale_window"), ("hysteresis", "hysteresis"),
                             ("min_loss_scale", "min_loss_scale")):
             if key in fp16:
-                values[target] = type(getattr(ZeroConfig, target))(fp16[key])
+                values[target] = as_number(fp16[key], f"fp16.{key}", type(getattr(ZeroConfig, target)))
         return "16-mixed"
     if _enabled(bf16):
         return "bf16-mixed"
@@ -262,6 +351,11 @@ def build_optimizer(spec: dict[str, Any], params: Any) -> Any:
 
     p = dict(spec["params"])
     kind = spec["type"]
+    autos = sorted(k for k, v in p.items() if v == "auto")
+    if autos:
+        raise DeepSpeedConfigError(f"optimizer.params.{autos[0]} is 'auto', which only Hugging Face's Trainer fills: give "
+                                   f"it a value, or build the optimizer yourself (configure_optimizers, or "
+                                   f"initialize(optimizer=...)).")
     if "max_grad_norm" in p:
         raise DeepSpeedConfigError("optimizer.params.max_grad_norm is not an optimizer setting (DeepSpeed refuses it "
                                    "too): use the top-level \"gradient_clipping\".")

@@ -192,7 +192,18 @@ def build_scheduler(optimizer: torch.optim.Optimizer, spec: dict[str, Any]) -> D
     if kind not in SCHEDULES:
         raise UnsupportedScheduleError(f"DeepSpeed scheduler type {kind!r} is not supported: use one of "
                                        f"{', '.join(SCHEDULES)}, or configure the scheduler in configure_optimizers.")
+    params = dict(spec.get("params", {}))
+    for key, value in list(params.items()):
+        if value != "auto":
+            continue
+        if key == "warmup_max_lr":  # what Hugging Face's integration fills it with: the optimizer's lr
+            params[key] = [float(g["lr"]) for g in optimizer.param_groups]
+        else:
+            raise UnsupportedScheduleError(f"scheduler.params.{key} is 'auto', which only Hugging Face's Trainer "
+                                           f"fills: give it a value, or configure the scheduler yourself.")
     try:
-        return DeepSpeedSchedule(optimizer, kind, dict(spec.get("params", {})))
+        return DeepSpeedSchedule(optimizer, kind, params)
     except KeyError as err:
         raise UnsupportedScheduleError(f"DeepSpeed scheduler {kind} needs params.{err.args[0]}.") from None
+    except (TypeError, ValueError, ZeroDivisionError) as err:
+        raise UnsupportedScheduleError(f"DeepSpeed scheduler {kind} params {params}: {err}; give numbers.") from None

@@ -146,8 +146,8 @@ def test_stage_zero_runs_as_stage_one_and_says_so():
     for ds in ({}, {"zero_optimization": {"stage": 0}}):
         r = import_deepspeed_config(ds)
         assert r.zero.stage == 1 and any("runs here as ZeRO stage 1" in w for w in r.warnings)
-    r = import_deepspeed_config({"zero_optimisation": {"stage": 3}})  # misspelt: named, not silently stage 1
-    assert any("did you mean 'zero_optimization'" in w for w in r.warnings)
+    with pytest.raises(DeepSpeedConfigError, match="did you mean 'zero_optimization'"):  # misspelt: not stage 1
+        import_deepspeed_config({"zero_optimisation": {"stage": 3}})
 
 
 def test_own_section_sets_fields_deepspeed_has_no_key_for():
@@ -213,3 +213,54 @@ def test_batch_sizes_that_disagree(given, world, needle):
 
     with pytest.raises(DeepSpeedConfigError, match=needle):
         resolve_batch(*given, world)
+
+
+def test_flags_read_as_deepspeed_reads_them():
+    r = import_deepspeed_config({"zero_optimization": {"stage": 2}, "fp16": {"enabled": "false"}})
+    assert r.precision is None  # the string "false" is false, as DeepSpeed's parser reads it
+    r = import_deepspeed_config({"zero_optimization": {"stage": 2}, "bf16": {"enabled": "True"}})
+    assert r.precision == "bf16-mixed"
+
+
+def test_auto_takes_the_runs_values():
+    """A config written for Hugging Face's Trainer: every "auto" the run can fill is filled from it."""
+    ds = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+          "gradient_clipping": "auto", "fp16": {"enabled": "auto", "loss_scale": 0}, "bf16": {"enabled": "auto"},
+          "zero_optimization": {"stage": 3, "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
+                                "stage3_param_persistence_threshold": "auto", "sub_group_size": 1e9,
+                                "stage3_gather_16bit_weights_on_model_save": "auto"},
+          "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto"}},
+          "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
+                                                       "warmup_num_steps": 10}}}
+    r = import_deepspeed_config(ds)
+    assert (r.zero.stage, r.precision, r.train_batch_size, r.micro_batch_per_gpu, r.accumulate,
+            r.gradient_clip_val) == (3, None, None, None, None, None)
+    assert r.zero.reduce_bucket_size == ZeroStrategy().config.reduce_bucket_size
+    # the optimizer's hyper-parameters have no source here: an error naming the key when it is built
+    with pytest.raises(DeepSpeedConfigError, match="optimizer.params.lr is 'auto'"):
+        build_optimizer(r.optimizer, _params())
+    # warmup_max_lr 'auto' is the optimizer's lr (as Hugging Face fills it)
+    from lightning_zero.ds_schedules import build_scheduler
+
+    opt = torch.optim.AdamW(_params(), lr=3e-4)
+    sched = build_scheduler(opt, r.scheduler)
+    for _ in range(20):
+        opt.step()
+        sched.step()
+    assert opt.param_groups[0]["lr"] == pytest.approx(3e-4)
+
+
+@pytest.mark.parametrize("ds,needle", [
+    ({"fp16": {"enabled": "maybe"}}, "fp16.enabled='maybe' is not a boolean"),
+    ({"zero_optimization": {"stage": "two"}}, "zero_optimization.stage='two' is not a number"),
+    ({"train_batch_size": "32"}, "train_batch_size='32' is not a number"),
+    ({"train_micro_batch_size_per_gpu": 0}, "must be 1 or more"),
+    ({"zero_optimization": {"stage": 2, "reduce_bucket_size": 2.5}}, "whole number"),
+    ({"zero_optimization": {"stage": 2, "overlap_comm": "auto"}}, "overlap_comm is 'auto'"),
+    ({"gradient_clipping": -1}, "negative"),
+    ({"fp16": {"enabled": True, "initial_scale_power": "16"}}, "fp16.initial_scale_power='16' is not a number"),
+])
+def test_values_of_the_wrong_type_are_named(ds, needle):
+    with pytest.raises(DeepSpeedConfigError) as err:
+        import_deepspeed_config(ds)
+    assert needle in str(err.value) and "\n" not in str(err.value)
