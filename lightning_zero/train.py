@@ -120,6 +120,11 @@ def strategy_options(node: Any) -> tuple[ZeroConfig, Optional[str]]:
     """The composed ``strategy`` node as (validated ZeroConfig, DeepSpeed JSON path or None)."""
     values = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node)
     deepspeed = values.pop("deepspeed_config", None)
+    if deepspeed == "???":  # strategy=deepspeed marks it mandatory
+        from lightning_zero.ds_config import DeepSpeedConfigError
+
+        raise DeepSpeedConfigError("strategy=deepspeed needs strategy.deepspeed_config=PATH (a ds_config.json, e.g. "
+                                   "examples/ds_config_tiny.json).")
     return ZeroConfig.from_dict(values), deepspeed
 
 
@@ -162,6 +167,12 @@ class RunSummary(Callback):
     last of them so a log file or a CI job shows the result without opening the metrics.
     """
 
+    def __init__(self, resumed_from: Optional[str] = None) -> None:
+        self.resumed_from, self.resumed_at = resumed_from, 0
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.resumed_at = trainer.global_step
+
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         metrics = trainer.callback_metrics
         if trainer.is_global_zero and not trainer.sanity_checking and "val/loss" in metrics:
@@ -170,7 +181,8 @@ class RunSummary(Callback):
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.is_global_zero:
-            log.info("%s", summary_line(trainer))
+            resumed = (f"  resumed from {self.resumed_from} at step {self.resumed_at}" if self.resumed_from else "")
+            log.info("%s%s", summary_line(trainer), resumed)
 
 
 def summary_line(trainer: pl.Trainer) -> str:
@@ -232,6 +244,57 @@ class MemoryReportPrinter(Callback):
             log.info("\n%s", self.report.format())
 
 
+# ---- resuming and the DeepSpeed JSON's say ------------------------------------------------------------
+def resolve_ckpt_path(value: Optional[str], output_dir: Path) -> Optional[str]:
+    """``ckpt_path=PATH`` (a sharded directory or a file, ours or DeepSpeed's) or ``ckpt_path=last``: the newest
+    checkpoint any earlier run of the app wrote under its outputs root (``hydra.run.dir``'s parent's parent)."""
+    if value in (None, "", "null"):
+        return None
+    from lightning_zero.checkpoint.files import CheckpointPathError
+
+    if value == "last":
+        root = output_dir.parent.parent
+        found = [p for p in root.glob("*/*/**/*.ckpt") if not p.name.endswith((".partial", ".old"))
+                 and output_dir not in p.parents]
+        if not found:
+            raise CheckpointPathError(f"ckpt_path=last: no checkpoint under {root}. Train with "
+                                      f"trainer.enable_checkpointing=true first, or give ckpt_path=PATH.")
+        return str(max(found, key=lambda p: p.stat().st_mtime))
+    if not Path(value).exists():
+        raise CheckpointPathError(f"ckpt_path={value}: no such file or directory (relative paths start at "
+                                  f"{os.getcwd()}).")
+    return value
+
+
+def _explicit_overrides() -> set[str]:
+    """The keys set on the command line (defaults of the app's YAML are not the user's explicit choice)."""
+    if not HydraConfig.initialized():
+        return set()
+    return {o.split("=", 1)[0].lstrip("+~") for o in HydraConfig.get().overrides.task}
+
+
+def _defer_to_deepspeed_json(strategy: Any, trainer_cfg: dict, explicit: set[str]) -> None:
+    """The JSON's gradient_clipping / gradient_accumulation_steps win over the app's defaults (not over a value
+    typed on the command line: that conflict stays an error naming both)."""
+    ds = getattr(strategy, "deepspeed", None)
+    if ds is None:
+        return
+    if ds.gradient_clip_val is not None and "trainer.gradient_clip_val" not in explicit:
+        trainer_cfg["gradient_clip_val"] = None
+    if ds.accumulate is not None and "trainer.accumulate_grad_batches" not in explicit:
+        trainer_cfg["accumulate_grad_batches"] = 1
+
+
+def _is_rank_zero() -> bool:
+    return all(int(os.environ.get(k, "0") or 0) == 0 for k in ("RANK", "LOCAL_RANK", "NODE_RANK"))
+
+
+def _app_message(err: BaseException) -> str:
+    """The error's one line, in the app's terms (its Hydra keys)."""
+    text = " ".join(str(err).split())
+    return text.replace("the DataLoader's batch_size", "the DataLoader's batch_size (data.batch_size)")
+
+
 # ---- the job ---------------------------------------------------------------------------------------
 def _output_dir() -> str:
     return HydraConfig.get().runtime.output_dir if HydraConfig.initialized() else os.getcwd()
@@ -245,6 +308,12 @@ def run(cfg: DictConfig) -> dict[str, float]:
     trainer_cfg = OmegaConf.to_container(cfg.trainer, resolve=True)
     accelerator, devices = resolve_devices(trainer_cfg.pop("accelerator"), trainer_cfg.pop("devices"),
                                            cfg.cpu_devices)
+    ckpt_path = resolve_ckpt_path(cfg.get("ckpt_path"), Path(_output_dir()))
+    chosen = HydraConfig.get().runtime.choices.get("strategy") if HydraConfig.initialized() else None
+    if chosen == "deepspeed" and cfg.strategy.get("deepspeed_config") is None:  # the schema's None hides `???`
+        strategy_options({"deepspeed_config": "???"})  # raises: names strategy.deepspeed_config
+    strategy = build_strategy(cfg.strategy)
+    _defer_to_deepspeed_json(strategy, trainer_cfg, _explicit_overrides())
     _limit_cpu_threads(accelerator, devices)
 
     if trainer_cfg.get("logger") is True:  # a fixed choice (Lightning's default depends on what is installed)
@@ -258,18 +327,20 @@ def run(cfg: DictConfig) -> dict[str, float]:
     datamodule = instantiate(cfg.data)
     model = instantiate(cfg.model, vocab_size=datamodule.vocab_size)
     memory = MemoryReportPrinter()
-    callbacks: list[Callback] = [RunSummary(), memory, throughput_monitor(cfg.throughput_window)]
+    callbacks: list[Callback] = [RunSummary(ckpt_path), memory, throughput_monitor(cfg.throughput_window)]
     if trainer_cfg.get("enable_progress_bar", True):
         from lightning.pytorch.callbacks import TQDMProgressBar
 
         callbacks.append(TQDMProgressBar(refresh_rate=cfg.progress_every))
-    trainer = pl.Trainer(accelerator=accelerator, devices=devices, strategy=build_strategy(cfg.strategy),
+    trainer = pl.Trainer(accelerator=accelerator, devices=devices, strategy=strategy,
                          callbacks=callbacks, default_root_dir=_output_dir(), **trainer_cfg)
     if trainer.is_global_zero:
         log.info("%s", datamodule.describe())
         log.info("strategy %s on %s x %s, precision %s", trainer.strategy.config, accelerator, devices,
                  trainer.precision)
-    trainer.fit(model, datamodule=datamodule)
+    if ckpt_path is not None and trainer.is_global_zero:
+        log.info("resuming from %s", ckpt_path)
+    trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path)
     if trace_dir is not None and trainer.is_global_zero:
         traces = sorted(str(p) for p in trace_dir.glob("*.json"))
         log.info("profiler trace: %s (open in https://ui.perfetto.dev or chrome://tracing; the zero/* ranges are "
@@ -304,10 +375,15 @@ def _generator(device: torch.device, seed: int) -> torch.Generator:
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
 def main(cfg: DictConfig) -> None:
+    from lightning_zero.errors import user_errors
+
     try:
         run(cfg)
-    except ZeroConfigError as err:  # a bad value in the strategy node: one line, not a traceback
-        print(f"error: {err}", file=sys.stderr)
+    except user_errors() as err:  # the input is wrong: one line on rank 0, exit 2 (HYDRA_FULL_ERROR=1: traceback)
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        if _is_rank_zero():
+            print(f"error: {_app_message(err)}", file=sys.stderr, flush=True)
         sys.exit(2)
 
 

@@ -22,7 +22,7 @@ from .flat_unit import FlatUnit, UnitState
 from .guard import allow_state_dict
 from .optim import unwrap
 
-__all__ = ["check_keys", "full_model_state", "load_model_state", "set_unit_values", "full_optimizer_state", "load_optimizer_state", "FORMAT"]
+__all__ = ["CheckpointMismatchError", "check_keys", "full_model_state", "load_model_state", "set_unit_values", "full_optimizer_state", "load_optimizer_state", "FORMAT"]
 
 FORMAT = "lightning_zero.optimizer.v2"
 _SCALAR_KEYS = ("step",)  # per-parameter counters: never sliced
@@ -92,11 +92,18 @@ def load_model_state(engine: ZeroEngine, state: dict[str, torch.Tensor], strict:
             buf.copy_(state[key])
 
 
+class CheckpointMismatchError(KeyError):
+    """A checkpoint of another model (keys missing or unexpected); the message names them."""
+
+    def __str__(self) -> str:  # KeyError would print the message quoted
+        return str(self.args[0]) if self.args else ""
+
+
 def check_keys(expected: Any, have: Any, path: Any = None) -> None:
     """One line naming the first missing and unexpected keys (torch's own message spans many lines)."""
     missing, unexpected = sorted(set(expected) - set(have)), sorted(set(have) - set(expected))
     if missing or unexpected:
-        raise KeyError(f"Checkpoint {path or ''} does not match the model: missing keys {missing[:5]}"
+        raise CheckpointMismatchError(f"Checkpoint {path or ''} does not match the model: missing keys {missing[:5]}"
                        f"{' ...' if len(missing) > 5 else ''}, unexpected keys {unexpected[:5]}"
                        f"{' ...' if len(unexpected) > 5 else ''}. Resume from a checkpoint of this model, or load "
                        f"the weights with strict=False.")

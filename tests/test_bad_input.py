@@ -1,0 +1,118 @@
+"""Bad input, as a new user types it: every case either runs or ends in one line naming the problem (exit 2),
+never a traceback and never a silent change of meaning; the app resumes with ckpt_path=PATH|last."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from dist_utils import job_env
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+QUICK = ("trainer.max_steps=2", "sample_chars=0", "trainer.enable_progress_bar=false", "trainer.logger=false")
+
+
+def _run(module: str, *args: str, cwd: Path, timeout: float = 300, **env: str) -> subprocess.CompletedProcess:
+    environ = job_env(PYTHONPATH=os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]),
+                      PYTHONWARNINGS="ignore", **env)
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, env=environ, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def _one_line_error(out: subprocess.CompletedProcess, needle: str) -> None:
+    assert out.returncode == 2, (out.returncode, out.stdout[-2000:], out.stderr[-3000:])
+    errors = [line for line in out.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1, out.stderr[-3000:]  # one line, from rank 0 only
+    assert needle in errors[0], errors[0]
+    assert "Traceback" not in out.stderr, out.stderr[-3000:]
+
+
+@pytest.fixture(scope="module")
+def jsons(tmp_path_factory):
+    d = tmp_path_factory.mktemp("json")
+    files = {"syntax.json": "{ stage: 2 }", "stage5.json": {"zero_optimization": {"stage": 5}},
+             "both.json": {"zero_optimization": {"stage": 2}, "fp16": {"enabled": True}, "bf16": {"enabled": True}},
+             "misspelt.json": {"zero_optimisation": {"stage": 3}},
+             "clip.json": {"zero_optimization": {"stage": 2}, "gradient_clipping": 0.5}}
+    for name, body in files.items():
+        (d / name).write_text(body if isinstance(body, str) else json.dumps(body))
+    return d
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("args,needle", [
+    (("strategy=deepspeed",), "strategy.deepspeed_config=PATH"),
+    (("strategy=deepspeed", "strategy.deepspeed_config=nope.json"), "'nope.json' does not exist"),
+    (("strategy=deepspeed", "strategy.deepspeed_config={d}/syntax.json"), "is not valid JSON"),
+    (("strategy=deepspeed", "strategy.deepspeed_config={d}/stage5.json"), "stage=5 is invalid"),
+    (("strategy=deepspeed", "strategy.deepspeed_config={d}/both.json"), "choose one"),
+    (("strategy=deepspeed", "strategy.deepspeed_config={d}/misspelt.json"), "did you mean 'zero_optimization'"),
+    (("strategy=zero3_offload_nvme",), "strategy.nvme_path"),
+    (("strategy=deepspeed", f"strategy.deepspeed_config={REPO_ROOT}/examples/ds_config_tiny.json",
+      "data.batch_size=8"), "data.batch_size"),
+    (("strategy=deepspeed", "strategy.deepspeed_config={d}/clip.json", "trainer.gradient_clip_val=2.0"),
+     "keep one of them"),
+    (("ckpt_path=/no/such/ckpt",), "no such file or directory"),
+    (("ckpt_path=last",), "no checkpoint under"),
+])
+def test_app_errors_are_one_line(tmp_path, jsons, args, needle):
+    out = _run("lightning_zero.train", *(a.format(d=jsons) for a in args), *QUICK, cwd=tmp_path)
+    _one_line_error(out, needle)
+
+
+@pytest.mark.slow
+def test_app_traceback_on_request(tmp_path):
+    out = _run("lightning_zero.train", "strategy=deepspeed", *QUICK, cwd=tmp_path, HYDRA_FULL_ERROR="1")
+    assert out.returncode != 0 and "Traceback" in out.stderr and "deepspeed_config" in out.stderr
+
+
+@pytest.mark.slow
+def test_json_clipping_wins_over_the_apps_default(tmp_path, jsons):
+    """The app's own default gradient_clip_val (1.0) is not the user's choice: the JSON's 0.5 stands."""
+    out = _run("lightning_zero.train", "strategy=deepspeed", f"strategy.deepspeed_config={jsons}/clip.json", *QUICK,
+               cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_app_resumes_from_path_and_last(tmp_path):
+    common = ("trainer.val_check_interval=4", "trainer.enable_checkpointing=true", "sample_chars=0",
+              "trainer.enable_progress_bar=false")
+    first = _run("lightning_zero.train", "trainer.max_steps=8", *common, cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    saved = sorted(tmp_path.glob("outputs/*/*/**/*.ckpt"))
+    assert saved, first.stderr[-2000:]
+    last = _run("lightning_zero.train", "trainer.max_steps=12", "ckpt_path=last", *common, cwd=tmp_path)
+    assert last.returncode == 0, last.stderr[-3000:]
+    line = next(x for x in (last.stdout + last.stderr).splitlines() if "finished step" in x)
+    assert "finished step 12/12" in line and re.search(r"resumed from \S+step=8\.ckpt at step 8", line), line
+    # Hydra's grammar wants a value holding '=' (Lightning's checkpoint names) quoted
+    explicit = _run("lightning_zero.train", "trainer.max_steps=10", f"ckpt_path='{saved[0]}'", *common, cwd=tmp_path)
+    assert explicit.returncode == 0, explicit.stderr[-3000:]
+    line = next(x for x in (explicit.stdout + explicit.stderr).splitlines() if "finished step" in x)
+    assert "finished step 10/10" in line and f"resumed from {saved[0]}" in line, line
+
+
+@pytest.mark.parametrize("args,needle", [
+    (("--params", "-5"), "--params -5"), (("--params", "7e9", "--gpu-mem", "-10"), "--gpu-mem -10"),
+    (("--params", "7e9", "--activations", "-3"), "--activations -3"),
+    (("--params", "7e9", "--gpus-per-node", "0"), "--gpus-per-node 0"), (("--params", "nan"), "--params nan"),
+    (("--params", "7e9", "--precision", "int8"), "--precision 'int8'"), (("--params", "abc"), "invalid float"),
+    (("model=nonexistent",), "model=nonexistent"),
+])
+def test_estimator_refuses_impossible_input(tmp_path, args, needle):
+    _one_line_error(_run("lightning_zero.estimate", *args, cwd=tmp_path), needle)
+
+
+def test_estimator_fp32_is_32_true(tmp_path):
+    outs = [_run("lightning_zero.estimate", "--params", "7e9", "--gpus-per-node", "8", "--gpu-mem", "80",
+                 "--precision", p, cwd=tmp_path) for p in ("fp32", "32-true", "bf16-mixed")]
+    assert all(o.returncode == 0 for o in outs)
+    body = [o.stdout.split("\n", 1)[1] for o in outs]
+    assert body[0] == body[1] and body[0] != body[2]  # fp32's figures, not bf16's
+    assert "32-true" in outs[0].stdout.splitlines()[0]
