@@ -277,7 +277,7 @@ class ZeroModelEngine(nn.Module):
         return str(path), client
 
     def _load_ours(self, path: Path, strict: bool, optimizer: bool, scheduler: bool, module_only: bool) -> dict:
-        checkpoint = sharded.read(path)
+        checkpoint = sharded.read(path, self.comm)
         sharded.load_into_engine(checkpoint["state_dict"], self.zero, strict=strict)
         if optimizer and checkpoint.get("optimizer_states"):
             sharded.load_optimizer(checkpoint["optimizer_states"][0], self.zero, self.optimizer)

@@ -391,7 +391,7 @@ class ZeroStrategy(ParallelStrategy):
         return lightning_io.load(checkpoint_path, self.engine, self.lightning_module,
                                  type(self.checkpoint_io) is TorchCheckpointIO,
                                  lambda: super(ZeroStrategy, self).load_checkpoint(checkpoint_path, weights_only),
-                                 weights_only)
+                                 weights_only, self.comm)
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         lightning_io.load_model(checkpoint, self.engine, self.lightning_module, strict,

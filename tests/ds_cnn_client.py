@@ -118,7 +118,7 @@ def main():
     rank = model_engine.global_rank
     first_eval = evaluate(model_engine, testset)
     losses = []
-    for epoch in range(args.epochs):
+    for _epoch in range(args.epochs):
         for images, labels in trainloader:
             losses += train_steps(model_engine, [(images, labels)])
     eval_loss = evaluate(model_engine, testset)

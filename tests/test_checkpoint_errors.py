@@ -159,3 +159,53 @@ def test_modelcheckpoint_top_k_deletes_directories_and_last_resumes(tmp_path, sa
     resumed = Logged()
     trainer(8).fit(resumed, dummy_loader(), ckpt_path="last")
     assert resumed.seen_steps == [6, 7]
+
+
+def _overwrite(file, count: int = 4000) -> None:
+    """Same size, other bytes: what a bad copy or a flipped disk block leaves."""
+    data = bytearray(file.read_bytes())
+    start = max(0, len(data) // 2 - count // 2)
+    data[start:start + count] = bytes((b ^ 0x5A) for b in data[start:start + count])
+    file.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("target", ["part", "meta.pt", ".metadata"])
+def test_overwritten_bytes_are_named_not_trained_on(saved, tmp_path, target):
+    """The size is right, the bytes are not: the checksum written with the checkpoint names the file
+    (without it the weights would load as NaN and training would go on)."""
+    _, d = saved
+    broken = tmp_path / "broken.ckpt"
+    shutil.copytree(d / "good.ckpt", broken)
+    file = (sorted(broken.glob("__0_*.distcp"), key=lambda p: p.stat().st_size)[-1] if target == "part"
+            else broken / target)
+    _overwrite(file, min(4000, file.stat().st_size // 2))
+    with pytest.raises(CheckpointPathError) as info:
+        _trainer(steps=3).fit(StepLM(), dummy_loader(), ckpt_path=broken)
+    _one_line(info.value, str(broken), file.name, "checksum")
+    from lightning_zero.consolidate import main as consolidate
+
+    assert consolidate([str(broken), str(tmp_path / "out.ckpt")]) == 2  # the tool checks too
+
+
+@pytest.mark.parametrize("target", ["meta.pt", ".metadata"])
+def test_truncated_small_files_are_named_without_checksums(saved, tmp_path, target):
+    """A checkpoint without checksums.json (written before them): a damaged meta.pt / .metadata is still named."""
+    _, d = saved
+    broken = tmp_path / "broken.ckpt"
+    shutil.copytree(d / "good.ckpt", broken)
+    (broken / "checksums.json").unlink()
+    file = broken / target
+    file.write_bytes(file.read_bytes()[: file.stat().st_size // 3])
+    with pytest.raises(CheckpointPathError) as info:
+        _trainer(steps=3).fit(StepLM(), dummy_loader(), ckpt_path=broken)
+    _one_line(info.value, str(broken), target, "damaged")
+
+
+def test_checkpoint_without_checksums_still_loads(saved, tmp_path):
+    _, d = saved
+    old = tmp_path / "old.ckpt"
+    shutil.copytree(d / "good.ckpt", old)
+    (old / "checksums.json").unlink()
+    trainer = _trainer(steps=3)
+    trainer.fit(StepLM(), dummy_loader(), ckpt_path=old)
+    assert trainer.global_step == 3

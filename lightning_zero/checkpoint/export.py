@@ -16,8 +16,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from ..engine.state import FORMAT as FULL_FORMAT
-from .files import META_FILE, CheckpointPathError, check_complete
-from .sharded import FORMAT, MODEL, OPTIM
+from .files import CheckpointPathError, check_complete
+from .sharded import FORMAT, MODEL, OPTIM, load_meta, verify_checksums
 from .stream import LazyTensor, save_streaming
 
 __all__ = ["consolidated", "write_checkpoint", "write_weights"]
@@ -43,8 +43,9 @@ class _Reader:
 def consolidated(path: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     """(checkpoint, state_dict): the Lightning checkpoint with lazy tensors, and its model state dict."""
     path = Path(path)
+    verify_checksums(path)  # one process: every file
     metadata = check_complete(path)
-    meta = torch.load(path / META_FILE, map_location="cpu", weights_only=False)
+    meta = load_meta(path)
     lz = meta.get("lightning_zero", {})
     if lz.get("format") != FORMAT:
         raise CheckpointPathError(f"{path} is not a lightning_zero sharded checkpoint (no '{FORMAT}' in meta.pt).")

@@ -85,7 +85,11 @@ def is_sharded(path: Any) -> bool:
 
 
 def read_dcp_metadata(path: Path) -> Any:
-    return dcp.FileSystemReader(str(path)).read_metadata()
+    try:
+        return dcp.FileSystemReader(str(path)).read_metadata()
+    except Exception as err:  # noqa: BLE001 - truncated/overwritten: torch says "Invalid argument" with no path
+        raise CheckpointPathError(f"Checkpoint {path}: {DCP_METADATA} is damaged ({type(err).__name__}). Resume "
+                                  f"from an earlier checkpoint or copy the whole directory again.") from None
 
 
 def check_complete(path: Path) -> Any:

@@ -57,7 +57,8 @@ def save(checkpoint: dict[str, Any], filepath: Any, engine: Optional[ZeroEngine]
 
 
 def load(checkpoint_path: Any, engine: Optional[ZeroEngine], module: nn.Module, plain_io: bool,
-         load_file: Callable[[], dict[str, Any]], weights_only: Optional[bool]) -> dict[str, Any]:
+         load_file: Callable[[], dict[str, Any]], weights_only: Optional[bool], comm: Optional[Comm] = None
+         ) -> dict[str, Any]:
     """A sharded directory (any world size and stage wrote it), a DeepSpeed checkpoint directory (DeepSpeed's
     engine or Lightning's ``DeepSpeedStrategy`` wrote it), or a one-file checkpoint (read with ``mmap``: no
     rank copies the whole file into memory; ``load_file`` for a custom CheckpointIO)."""
@@ -65,7 +66,7 @@ def load(checkpoint_path: Any, engine: Optional[ZeroEngine], module: nn.Module, 
     if path.is_dir() and not (path / META_FILE).exists() and deepspeed_format.is_deepspeed_checkpoint(path):
         checkpoint = deepspeed_format.lightning_checkpoint(path, module)
     elif path.is_dir() or not path.exists():
-        checkpoint = sharded.read(path)  # names the missing / incomplete / foreign directory
+        checkpoint = sharded.read(path, comm)  # names the missing / incomplete / foreign / damaged directory
         if engine is None:  # before setup: straight into the module's own tensors
             checkpoint["state_dict"] = sharded.load_into_module(checkpoint["state_dict"], module)
     elif not plain_io:

@@ -26,7 +26,8 @@ from ..engine import ZeroEngine
 from ..engine.guard import allow_state_dict
 from ..engine.optim import unwrap
 from ..engine.state import check_keys, cpu_copy, is_elementwise, torch_param_groups
-from .files import META_FILE, CheckpointPathError, check_complete, commit, partial_path, prepare_partial
+from . import checksums
+from .files import DCP_METADATA, META_FILE, CheckpointPathError, check_complete, commit, partial_path, prepare_partial
 from .shards import param_shards, sharded_piece
 
 __all__ = ["FORMAT", "SavedState", "model_shards", "optimizer_shards", "describe_model", "save", "read",
@@ -189,18 +190,26 @@ def save(checkpoint: dict[str, Any], path: Any, comm: Comm, describe: dict[str, 
     with _quiet():
         comm.dcp_save(tensors, dcp.FileSystemWriter(str(partial), single_file_per_rank=False,
                                                     thread_count=_WRITER_THREADS))
+    written = checksums.file_checksums(sorted(partial.glob(f"__{comm.rank}_*.distcp")))  # see [Note: why checksums]
+    written = comm.all_gather_object(written)
     if comm.rank == 0:
         torch.save(meta, partial / META_FILE)
+        entries = {name: value for part in written for name, value in part.items()}
+        entries.update(checksums.file_checksums([partial / META_FILE, partial / DCP_METADATA]))
+        checksums.write(partial, entries)
         commit(path)
     comm.all_gather_object(None)  # every rank returns once the directory is in place
 
 
 # ---- load --------------------------------------------------------------------------------------------
-def read(path: Any) -> dict[str, Any]:
-    """The checkpoint dict Lightning restores from: meta.pt's content, with the tensors still on disk."""
+def read(path: Any, comm: Optional[Comm] = None) -> dict[str, Any]:
+    """The checkpoint dict Lightning restores from: meta.pt's content, with the tensors still on disk.
+    With ``comm`` every rank of it must call this (they share the checksum work); without, this process
+    checks every file."""
     path = Path(path)
+    verify_checksums(path, comm)
     metadata = check_complete(path)
-    meta = torch.load(path / META_FILE, map_location="cpu", weights_only=False)
+    meta = load_meta(path)
     if meta.get("lightning_zero", {}).get("format") != FORMAT:
         raise CheckpointPathError(f"{path} is not a lightning_zero sharded checkpoint (its meta.pt has no "
                                   f"'{FORMAT}' marker); load it with the tool that wrote it.")
@@ -209,6 +218,28 @@ def read(path: Any) -> dict[str, Any]:
     if "optimizer_states" in meta:
         checkpoint["optimizer_states"] = [SavedState(path, meta, metadata, i) for i in range(len(meta["optimizer_states"]))]
     return checkpoint
+
+
+def verify_checksums(path: Path, comm: Optional[Comm] = None) -> None:
+    """With ``comm`` (every rank of it calls this) each rank checks its share of the files against
+    ``checksums.json`` and all agree on the verdict; without, this process checks them all.
+    See [Note: why checksums]."""
+    if not path.is_dir():
+        return  # check_complete names what is wrong with the path
+    if comm is not None and comm.world_size > 1:
+        problems = comm.all_gather_object(checksums.verify(path, (comm.rank, comm.world_size)))
+        checksums.raise_problem(next((p for p in problems if p), None))
+    else:
+        checksums.raise_problem(checksums.verify(path))
+
+
+def load_meta(path: Path) -> dict[str, Any]:
+    try:
+        return torch.load(path / META_FILE, map_location="cpu", weights_only=False)
+    except Exception as err:  # noqa: BLE001 - a truncated or overwritten file: name it
+        raise CheckpointPathError(f"Checkpoint {path}: {META_FILE} is damaged ({type(err).__name__}: "
+                                  f"{str(err).splitlines()[0] if str(err) else ''}). Resume from an earlier checkpoint "
+                                  f"or copy the whole directory again.") from None
 
 
 def _saved_model_keys(saved: SavedState) -> dict[str, str]:
