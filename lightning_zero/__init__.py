@@ -29,4 +29,13 @@ def _register() -> None:
     ZeroStrategy.register_strategies(StrategyRegistry)
 
 
+def _load_directories() -> None:
+    # LightningModule.load_from_checkpoint(DIR) on a sharded (or DeepSpeed) checkpoint directory just works
+    from .checkpoint.export import read_directory
+    from .lightning_compat import load_directories_in_load_from_checkpoint
+
+    load_directories_in_load_from_checkpoint(read_directory)
+
+
 _register()
+_load_directories()

@@ -14,7 +14,7 @@ import torch
 from lightning.fabric.utilities import distributed as _fabric_distributed
 
 __all__ = ["lightning_optimizers", "is_restarting", "init_process_group", "destroy_process_group",
-           "default_backend_for", "set_launcher", "model_summary_settings"]
+           "default_backend_for", "set_launcher", "model_summary_settings", "load_directories_in_load_from_checkpoint"]
 
 
 def lightning_optimizers(strategy: Any) -> list[Any]:
@@ -54,3 +54,23 @@ def set_launcher(strategy: Any, launcher: Any) -> None:
 def model_summary_settings(callback: Any) -> tuple[int, dict[str, Any]]:
     """``max_depth`` and the other arguments a ``ModelSummary`` callback was built with."""
     return callback._max_depth, dict(callback._summarize_kwargs)
+
+
+def load_directories_in_load_from_checkpoint(read_directory: Any) -> None:
+    """``LightningModule.load_from_checkpoint(path)`` reads ``path`` with ``lightning.pytorch.core.saving.pl_load``,
+    which fails on a directory (``IsADirectoryError``). Route directories (our sharded checkpoints,
+    DeepSpeed's) through ``read_directory(path, map_location)``; files go to Lightning's own loader as before.
+    Idempotent."""
+    from lightning.pytorch.core import saving
+
+    original = getattr(saving.pl_load, "__wrapped__", saving.pl_load)
+
+    def pl_load(path_or_url: Any, map_location: Any = None, weights_only: Any = None) -> Any:
+        import os
+
+        if isinstance(path_or_url, (str, os.PathLike)) and os.path.isdir(path_or_url):
+            return read_directory(path_or_url, map_location)
+        return original(path_or_url, map_location=map_location, weights_only=weights_only)
+
+    pl_load.__wrapped__ = original  # type: ignore[attr-defined]
+    saving.pl_load = pl_load

@@ -209,3 +209,19 @@ def test_checkpoint_without_checksums_still_loads(saved, tmp_path):
     trainer = _trainer(steps=3)
     trainer.fit(StepLM(), dummy_loader(), ckpt_path=old)
     assert trainer.global_step == 3
+
+
+def test_load_from_checkpoint_reads_a_sharded_directory(tmp_path):
+    """LightningModule.load_from_checkpoint(DIR) on our directory: the weights, as from a one-file checkpoint."""
+    full = _trainer(checkpoint_format="full")
+    full.fit(StepLM(), dummy_loader())
+    full.save_checkpoint(tmp_path / "one.ckpt")
+    sharded_trainer = _trainer()
+    sharded_module = StepLM()
+    sharded_trainer.fit(sharded_module, dummy_loader())
+    sharded_trainer.save_checkpoint(tmp_path / "dir.ckpt")
+    want = sharded_trainer.strategy.full_state_dict()
+    loaded = StepLM.load_from_checkpoint(tmp_path / "dir.ckpt")
+    got = loaded.state_dict()
+    assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
+    assert isinstance(StepLM.load_from_checkpoint(tmp_path / "one.ckpt"), StepLM)  # files: Lightning's own path

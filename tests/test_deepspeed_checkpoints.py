@@ -177,3 +177,10 @@ def test_damaged_and_incomplete_deepspeed_checkpoints_are_named(fixtures, tmp_pa
         DeepSpeedCheckpoint(damaged)
     with pytest.raises(CheckpointPathError, match="not a DeepSpeed checkpoint"):
         DeepSpeedCheckpoint(tmp_path)
+
+
+def test_load_from_checkpoint_reads_a_deepspeed_strategy_directory(fixtures):
+    """LightningModule.load_from_checkpoint on the directory Lightning's DeepSpeedStrategy wrote."""
+    path = fixtures / "lightning_stage3"
+    module = FixtureModule.load_from_checkpoint(path / "model.ckpt")
+    assert max_diff(dict(module.state_dict()), _full(expected(path))) == 0.0

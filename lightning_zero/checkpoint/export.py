@@ -16,11 +16,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from ..engine.state import FORMAT as FULL_FORMAT
-from .files import CheckpointPathError, check_complete
+from .files import META_FILE, CheckpointPathError, check_complete
 from .sharded import FORMAT, MODEL, OPTIM, load_meta, verify_checksums
 from .stream import LazyTensor, save_streaming
 
-__all__ = ["consolidated", "write_checkpoint", "write_weights"]
+__all__ = ["consolidated", "write_checkpoint", "write_weights", "read_directory"]
 
 
 class _Reader:
@@ -103,3 +103,25 @@ def write_weights(src: Any, out: Any) -> int:
     out = _target(out)
     _, state_dict = consolidated(src)
     return save_streaming(state_dict, out)
+
+
+def read_directory(path: Any, map_location: Any = None) -> dict[str, Any]:
+    """A checkpoint directory as one in-memory Lightning checkpoint (``LightningModule.load_from_checkpoint``):
+    ours, read tensor by tensor, or DeepSpeed's (its weights and whatever Lightning state it holds)."""
+    from . import deepspeed_format
+
+    path = Path(path)
+    if not (path / META_FILE).exists() and deepspeed_format.is_deepspeed_checkpoint(path):
+        ckpt = deepspeed_format.DeepSpeedCheckpoint(path)
+        checkpoint = dict(ckpt.client_state)
+        checkpoint["state_dict"] = ckpt.weights()
+    else:
+        checkpoint, _ = consolidated(path)
+        checkpoint.pop("optimizer_states", None)  # weights, hyper-parameters and hooks' state only
+        loaded: dict[int, torch.Tensor] = {}
+        checkpoint["state_dict"] = {k: loaded.setdefault(id(v), v.load()) if isinstance(v, LazyTensor) else v
+                                    for k, v in checkpoint["state_dict"].items()}
+    if map_location is not None and not callable(map_location) and not isinstance(map_location, dict):
+        checkpoint["state_dict"] = {k: v.to(map_location) if isinstance(v, torch.Tensor) else v
+                                    for k, v in checkpoint["state_dict"].items()}
+    return checkpoint
