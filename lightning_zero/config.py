@@ -127,6 +127,9 @@ class ZeroConfig:
             value = getattr(self, name)
             if isinstance(value, str):
                 value = (value,)
+            if not isinstance(value, (list, tuple)) or not all(isinstance(v, (str, type)) and v for v in value):
+                raise ZeroConfigError(f"ZeroConfig.{name}={value!r} is invalid: give a list of module classes or "
+                                      f"their names (e.g. [Block]).")
             object.__setattr__(self, name, tuple(_class_name(v) for v in value))
         for f in dataclasses.fields(self):
             _check_type(f.name, f.type, getattr(self, f.name))

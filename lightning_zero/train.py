@@ -104,6 +104,7 @@ def check_overrides(overrides: list[str]) -> None:
     close match and the valid options) instead of Hydra's multi-line composition error.
     """
     unknown = []
+    typed = []
     for arg in overrides:
         if arg.startswith("-") or "=" not in arg:
             continue  # Hydra's own flags (--cfg, -m, ...)
@@ -112,8 +113,32 @@ def check_overrides(overrides: list[str]) -> None:
             name = key.split(".")[1]
             if name not in field_names() and name != "deepspeed_config":
                 unknown.append(name)
+            else:
+                typed.append(arg)
     if unknown:
         ZeroConfig.from_dict(dict.fromkeys(unknown))  # raises ZeroConfigError for the first unknown key
+    for arg in typed:
+        _check_override_type(arg)
+
+
+def _check_override_type(arg: str) -> None:
+    """The value's type against the strategy schema, as Hydra will check it, but as one ZeroConfigError line
+    (Hydra's own message spans several lines). Values of the right type are validated later by ZeroConfig."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        override = OverridesParser.create().parse_overrides([arg])[0]
+    except Exception:  # noqa: BLE001 - a grammar error: Hydra's own message names it
+        return
+    name = override.key_or_group.split(".")[1]
+    if override.is_sweep_override() or override.is_delete():
+        return
+    try:
+        OmegaConf.merge(OmegaConf.structured(zero_schema()), {name: override.value()})
+    except OmegaConfBaseException as err:
+        first = str(err).strip().splitlines()[0]
+        raise ZeroConfigError(f"strategy.{name}={override.get_value_element_as_str()}: {first}") from None
 
 
 def strategy_options(node: Any) -> tuple[ZeroConfig, Optional[str]]:
