@@ -10,7 +10,6 @@ Checkpoints are written at the end of training from ``on_train_end`` on every ra
 from __future__ import annotations
 
 import json
-
 from pathlib import Path
 
 import pytest
