@@ -116,3 +116,16 @@ def test_estimator_fp32_is_32_true(tmp_path):
     body = [o.stdout.split("\n", 1)[1] for o in outs]
     assert body[0] == body[1] and body[0] != body[2]  # fp32's figures, not bf16's
     assert "32-true" in outs[0].stdout.splitlines()[0]
+
+
+def test_strategy_takes_a_preset_name_or_refuses_at_once():
+    from lightning_zero import ZeroStrategy
+    from lightning_zero.config import ZeroConfigError
+
+    assert ZeroStrategy("zero3").config.stage == 3
+    assert ZeroStrategy("zero2_offload", prefetch=2).config.offload_optimizer == "cpu"
+    assert ZeroStrategy({"stage": 1}).config.stage == 1
+    for bad, needle in (("zero4", "did you mean 'zero3'"), (3, "got int"), ({"stag": 3}, "Did you mean 'stage'")):
+        with pytest.raises(ZeroConfigError, match=needle) as err:
+            ZeroStrategy(bad)
+        assert "\n" not in str(err.value)
