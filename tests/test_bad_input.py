@@ -48,9 +48,6 @@ def jsons(tmp_path_factory):
 @pytest.mark.parametrize("args,needle", [
     (("strategy=deepspeed",), "strategy.deepspeed_config=PATH"),
     (("strategy=deepspeed", "strategy.deepspeed_config=nope.json"), "'nope.json' does not exist"),
-    (("strategy=deepspeed", "strategy.deepspeed_config={d}/syntax.json"), "is not valid JSON"),
-    (("strategy=deepspeed", "strategy.deepspeed_config={d}/stage5.json"), "stage=5 is invalid"),
-    (("strategy=deepspeed", "strategy.deepspeed_config={d}/both.json"), "choose one"),
     (("strategy=deepspeed", "strategy.deepspeed_config={d}/misspelt.json"), "did you mean 'zero_optimization'"),
     (("strategy=zero3_offload_nvme",), "strategy.nvme_path"),
     (("strategy=deepspeed", f"strategy.deepspeed_config={REPO_ROOT}/examples/ds_config_tiny.json",
@@ -109,13 +106,16 @@ def test_estimator_refuses_impossible_input(tmp_path, args, needle):
     _one_line_error(_run("lightning_zero.estimate", *args, cwd=tmp_path), needle)
 
 
-def test_estimator_fp32_is_32_true(tmp_path):
-    outs = [_run("lightning_zero.estimate", "--params", "7e9", "--gpus-per-node", "8", "--gpu-mem", "80",
-                 "--precision", p, cwd=tmp_path) for p in ("fp32", "32-true", "bf16-mixed")]
-    assert all(o.returncode == 0 for o in outs)
-    body = [o.stdout.split("\n", 1)[1] for o in outs]
+def test_estimator_fp32_is_32_true(capsys):
+    from lightning_zero.estimate import main
+
+    outs = []
+    for p in ("fp32", "32-true", "bf16-mixed"):
+        assert main(["--params", "7e9", "--gpus-per-node", "8", "--gpu-mem", "80", "--precision", p]) == 0
+        outs.append(capsys.readouterr().out)
+    body = [o.split("\n", 1)[1] for o in outs]
     assert body[0] == body[1] and body[0] != body[2]  # fp32's figures, not bf16's
-    assert "32-true" in outs[0].stdout.splitlines()[0]
+    assert "32-true" in outs[0].splitlines()[0]
 
 
 def test_strategy_takes_a_preset_name_or_refuses_at_once():

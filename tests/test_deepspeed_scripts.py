@@ -27,7 +27,7 @@ def torchrun(script: Path, *args: str, cwd: Path, timeout: float = 300) -> subpr
     return out
 
 
-CASES = {"stage0": ["--stage", "0"], "stage1": ["--stage", "1"], "stage2": ["--stage", "2"],
+CASES = {"stage1": ["--stage", "1"],  # stage 0 runs as stage 1 (tests/test_deepspeed_config.py) "stage2": ["--stage", "2"],
          "stage3": ["--stage", "3"], "stage2_offload": ["--stage", "2", "--offload"]}
 
 

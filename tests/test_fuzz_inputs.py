@@ -132,7 +132,7 @@ tokens = st.one_of(st.sampled_from(["abc", "1.5", "-1", "0", "3", "true", "false
                    st.integers(-3, 10**9).map(str))
 
 
-@settings(SETTINGS, max_examples=120)  # each composes a Hydra config
+@settings(SETTINGS, max_examples=60)  # each composes a Hydra config
 @given(st.lists(st.tuples(st.sampled_from(field_names()), tokens), min_size=1, max_size=3))
 def test_hydra_strategy_overrides(pairs):
     """``strategy.FIELD=VALUE`` as typed on the command line: the app's pre-check or ZeroConfig names it in one
