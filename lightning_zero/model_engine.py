@@ -87,9 +87,7 @@ class ZeroModelEngine(nn.Module):
     def world_size(self) -> int:
         return self.comm.world_size
 
-    @property
-    def dp_world_size(self) -> int:
-        return self.comm.world_size
+    dp_world_size = world_size  # data parallelism only: the same number
 
     mp_world_size = 1
 

@@ -18,7 +18,7 @@ import torch.distributed.checkpoint as dcp
 from ..engine.state import FORMAT as FULL_FORMAT
 from .files import META_FILE, CheckpointPathError, check_complete
 from .sharded import FORMAT, MODEL, OPTIM, load_meta, verify_checksums
-from .stream import LazyTensor, save_streaming
+from .stream import LazyTensor, materialize, save_streaming
 
 __all__ = ["consolidated", "write_checkpoint", "write_weights", "read_directory"]
 
@@ -118,9 +118,7 @@ def read_directory(path: Any, map_location: Any = None) -> dict[str, Any]:
     else:
         checkpoint, _ = consolidated(path)
         checkpoint.pop("optimizer_states", None)  # weights, hyper-parameters and hooks' state only
-        loaded: dict[int, torch.Tensor] = {}
-        checkpoint["state_dict"] = {k: loaded.setdefault(id(v), v.load()) if isinstance(v, LazyTensor) else v
-                                    for k, v in checkpoint["state_dict"].items()}
+        checkpoint["state_dict"] = materialize(checkpoint["state_dict"])
     if map_location is not None and not callable(map_location) and not isinstance(map_location, dict):
         checkpoint["state_dict"] = {k: v.to(map_location) if isinstance(v, torch.Tensor) else v
                                     for k, v in checkpoint["state_dict"].items()}

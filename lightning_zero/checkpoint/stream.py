@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["LazyTensor", "save_streaming"]
+__all__ = ["LazyTensor", "save_streaming", "materialize"]
 
 
 class LazyTensor:
@@ -31,6 +31,12 @@ class LazyTensor:
 
     def numel(self) -> int:
         return self.shape.numel()
+
+
+def materialize(state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` with every LazyTensor read (entries naming one LazyTensor, tied weights, stay one tensor)."""
+    loaded: dict[int, torch.Tensor] = {}
+    return {k: loaded.setdefault(id(v), v.load()) if isinstance(v, LazyTensor) else v for k, v in state.items()}
 
 
 class _Storage:

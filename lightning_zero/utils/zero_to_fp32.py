@@ -14,13 +14,12 @@ import sys
 from pathlib import Path
 from typing import Any, Optional, Union
 
-import torch
 from torch import nn
 
 from ..checkpoint import deepspeed_format
 from ..checkpoint.export import consolidated
 from ..checkpoint.files import META_FILE, CheckpointPathError
-from ..checkpoint.stream import LazyTensor, save_streaming
+from ..checkpoint.stream import materialize, save_streaming
 
 __all__ = ["get_fp32_state_dict_from_zero_checkpoint", "convert_zero_checkpoint_to_fp32_state_dict",
            "load_state_dict_from_zero_checkpoint", "main"]
@@ -67,8 +66,7 @@ def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: PathLike, tag: Opti
     state = _lazy_state(checkpoint_dir, tag, exclude_frozen_parameters)
     if lazy_mode:
         return state
-    loaded: dict[int, torch.Tensor] = {}  # tied entries stay one tensor
-    return {k: loaded.setdefault(id(v), v.load()) if isinstance(v, LazyTensor) else v for k, v in state.items()}
+    return materialize(state)
 
 
 def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir: PathLike, output_dir_or_file: PathLike,
