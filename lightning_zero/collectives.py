@@ -64,6 +64,8 @@ class Comm:
     # LIGHTNING_ZERO_FORCE_COLLECTIVES=1 runs real collectives even on one rank (to profile overlap).
     force: bool = field(default_factory=lambda: os.environ.get("LIGHTNING_ZERO_FORCE_COLLECTIVES") == "1")
     control: Optional[Any] = None  # gloo group of the entry checks of user-called collectives (rendezvous)
+    host: Optional[Any] = None  # gloo group of the same ranks for host tensors (see host_group)
+    meshes: dict = field(default_factory=dict)  # device type -> DeviceMesh over this group (see mesh)
 
     @property
     def _local(self) -> bool:
@@ -183,6 +185,38 @@ class Comm:
         dist.all_gather_object(out, obj, group=self.group)
         return out
 
+    def host_group(self) -> Any:
+        """A gloo group of these ranks, for collectives on host tensors (the group itself when it is gloo;
+        created on first use: a collective call, every rank makes it)."""
+        if self.host is None:
+            if dist.get_backend(self.group) == "gloo":
+                self.host = self.group if self.group is not None else dist.group.WORLD
+            else:
+                ranks = dist.get_process_group_ranks(self.group) if self.group is not None else None
+                self.host = dist.new_group(ranks, backend="gloo")
+        return self.host
+
+    def all_to_all_host(self, output: torch.Tensor, input: torch.Tensor, output_splits: list[int],
+                        input_splits: list[int]) -> None:
+        """Host tensors: ``input_splits[r]`` elements of ``input`` go to rank r, ``output_splits[r]`` arrive from it."""
+        self._count("all_to_all", input)
+        if self.world_size == 1:
+            output.copy_(input)
+            return
+        dist.all_to_all_single(output, input, output_splits, input_splits, group=self.host_group())
+
+    def mesh(self, device_type: str) -> Optional[Any]:
+        """A 1-D DeviceMesh over these ranks for DTensors on ``device_type`` (host tensors: the gloo group);
+        None without torch.distributed (a plain process: no DTensor can be made)."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        if device_type not in self.meshes:
+            from torch.distributed.device_mesh import DeviceMesh
+
+            group = self.host_group() if device_type == "cpu" else (self.group or dist.group.WORLD)
+            self.meshes[device_type] = DeviceMesh.from_group(group, device_type)
+        return self.meshes[device_type]
+
     def with_control(self) -> Comm:
         """This Comm plus a small gloo group for :meth:`rendezvous` (a collective call: every rank makes it)."""
         if self.world_size > 1 and dist.is_initialized() and self.control is None:
@@ -194,6 +228,11 @@ class Comm:
         if self.control is not None and dist.is_initialized():
             dist.destroy_process_group(self.control)
         self.control = None
+        if self.host is not None and self.host is not self.group and self.host is not dist.group.WORLD \
+                and dist.is_initialized():
+            dist.destroy_process_group(self.host)
+        self.host = None
+        self.meshes.clear()
 
     def rendezvous(self, what: str, timeout_s: float) -> None:
         """Every rank reaches ``what`` within ``timeout_s``, or each rank that did raises

@@ -14,7 +14,8 @@ import torch
 from lightning.fabric.utilities import distributed as _fabric_distributed
 
 __all__ = ["lightning_optimizers", "is_restarting", "init_process_group", "destroy_process_group",
-           "default_backend_for", "set_launcher", "model_summary_settings", "load_directories_in_load_from_checkpoint"]
+           "default_backend_for", "set_launcher", "model_summary_settings", "load_directories_in_load_from_checkpoint",
+           "mark_checkpoint_dumps"]
 
 
 def lightning_optimizers(strategy: Any) -> list[Any]:
@@ -74,3 +75,25 @@ def load_directories_in_load_from_checkpoint(read_directory: Any) -> None:
 
     pl_load.__wrapped__ = original  # type: ignore[attr-defined]
     saving.pl_load = pl_load
+
+
+def mark_checkpoint_dumps(trainer: Any, dumping: Any) -> None:
+    """Call ``dumping(True)`` / ``dumping(False)`` around the trainer's building of a checkpoint dict
+    (``trainer._checkpoint_connector.dump_checkpoint``, which ``trainer.save_checkpoint`` and
+    ModelCheckpoint use). Idempotent per trainer."""
+    connector = trainer._checkpoint_connector
+    current = connector.dump_checkpoint
+    if getattr(current, "_marks", None) is dumping:
+        return
+    original = getattr(current, "__wrapped__", current)
+
+    def dump_checkpoint(weights_only: Any = None) -> Any:
+        dumping(True)
+        try:
+            return original(weights_only)
+        finally:
+            dumping(False)
+
+    dump_checkpoint.__wrapped__ = original  # type: ignore[attr-defined]
+    dump_checkpoint._marks = dumping  # type: ignore[attr-defined]
+    connector.dump_checkpoint = dump_checkpoint

@@ -13,7 +13,7 @@ from typing import Any, Optional
 import torch
 
 __all__ = ["zero_grad_before_next_backward", "overlap_blocker", "check_even_batches", "replay_finetuning_restore",
-           "hold_schedulers_on_skip"]
+           "hold_schedulers_on_skip", "checkpoint_readers"]
 
 _GRAD_HOOKS = ("on_after_backward", "on_before_optimizer_step")
 
@@ -107,3 +107,15 @@ def hold_schedulers_on_skip(trainer: Any, module: Any, step_applied: Callable[[A
             del module.lr_scheduler_step
 
     return undo
+
+
+def checkpoint_readers(trainer: Any, module: Any) -> list[str]:
+    """The hooks that see the checkpoint dict ``trainer.save_checkpoint`` builds: the module's and the
+    callbacks' own ``on_save_checkpoint`` (Lightning's callbacks that have one, weight averaging and
+    pruning, read the state dict too)."""
+    import lightning.pytorch as pl
+
+    readers = [f"{type(module).__name__}.on_save_checkpoint"] if _overridden("on_save_checkpoint", module,
+                                                                              pl.LightningModule) else []
+    return readers + [f"{type(c).__name__}.on_save_checkpoint" for c in trainer.callbacks
+                      if _overridden("on_save_checkpoint", c, pl.Callback)]

@@ -226,8 +226,8 @@ class ZeroModelEngine(nn.Module):
         self.comm.rendezvous("ZeroModelEngine.save_checkpoint()", self.ds.zero.rendezvous_timeout_s)
         tag = str(tag) if tag is not None else f"global_step{self.global_steps}"
         path = Path(save_dir) / tag
-        checkpoint = {"state_dict": sharded.model_shards(self.zero),
-                      "optimizer_states": [sharded.optimizer_shards(self.zero, self.optimizer)],
+        checkpoint = {"state_dict": sharded.model_pieces(self.zero),
+                      "optimizer_states": [sharded.optimizer_pieces(self.zero, self.optimizer)],
                       "lr_schedulers": [self.lr_scheduler.state_dict()] if self.lr_scheduler is not None else [],
                       "global_step": self.global_steps, "micro_steps": self.micro_steps,
                       "global_samples": self.global_samples, "skipped_steps": self.skipped_steps,

@@ -77,6 +77,7 @@ class ZeroStrategy(ParallelStrategy):
         self._final_report: Optional[MemoryReport] = None
         self._failed = False  # an exception ended this rank's run (see teardown)
         self._undo_hold: Optional[Callable[[], None]] = None  # scheduler_on_skip="hold" (see setup)
+        self._dumping = False  # inside the trainer's building of a checkpoint dict (see lightning_module_state_dict)
 
     # ---- what Lightning asks of a parallel strategy ---------------------------------------
     @property
@@ -176,6 +177,7 @@ class ZeroStrategy(ParallelStrategy):
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
         self._failed = False
+        lightning_compat.mark_checkpoint_dumps(trainer, self._mark_dumping)
         if self.deepspeed is not None:
             ds_glue.apply_to_trainer(self.deepspeed, trainer, self.world_size)
         fitting = trainer.state.fn == TrainerFn.FITTING
@@ -354,33 +356,51 @@ class ZeroStrategy(ParallelStrategy):
         self._rendezvous("trainer.strategy.full_optimizer_state_dict()")
         return full_optimizer_state(engine, optimizer, keep=self.is_global_zero or not rank0_only)
 
+    def _mark_dumping(self, on: bool) -> None:
+        self._dumping = on
+
+    def _pieces_suffice(self) -> bool:
+        """[Note: DTensors only where someone looks]
+        Inside ``trainer.save_checkpoint`` no user code sees the checkpoint dict unless a module or callback
+        overrides ``on_save_checkpoint``. Without one the DTensors would only be written, and building them
+        copies each rank's share of the state (ZeRO's pieces are not DTensor's row chunks, see
+        checkpoint/boxes.py): each rank's pieces are written in place instead, the same files without the copy."""
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        return self._dumping and trainer is not None and not lightning_loop.checkpoint_readers(trainer,
+                                                                                               self.lightning_module)
+
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The module's state for a checkpoint.
+        """The module's state for a checkpoint (a collective: call it on every rank).
 
-        Sharded format (the default): the module's keys; buffers and parameters lightning_zero does not
-        manage are plain tensors; each managed parameter is a 1-D ``ShardedTensor`` of its ``numel``
-        elements whose local shard is this rank's piece of the fp32 master (a view: no copy and no
-        collective, so calling it on one rank is safe). A ShardedTensor supports ``local_shards()``,
-        ``torch.save`` and ``.cpu()``, not elementwise math (``.float()`` raises). For the weights as
-        plain full tensors call :meth:`full_state_dict` on every rank.
+        Sharded format (the default): the module's keys; each managed parameter is a ``DTensor`` (``Shard(0)``
+        on a 1-D mesh over the strategy's ranks, the parameter's shape, fp32 master values), as FSDP2's
+        ``get_model_state_dict`` gives them: ``.full_tensor()``, ``.to_local()``, elementwise math and
+        ``torch.distributed.checkpoint`` work as torch documents. Tied parameters are one object under each
+        name. Buffers and parameters lightning_zero does not manage are plain tensors. The DTensors are a copy
+        of this rank's share, on the host (on one rank: views of the masters themselves).
 
-        ``checkpoint_format="full"``: the full fp32 state dict (a collective; stages 1/2 on every rank,
-        stage 3 on rank 0 only, so that a model too big for one rank is not copied into every rank's memory).
+        ``checkpoint_format="full"``: the full fp32 state dict (stages 1/2 on every rank, stage 3 on rank 0
+        only, so that a model too big for one rank is not copied into every rank's memory).
         """
         engine = self._state_engine
         if engine is None:
             return super().lightning_module_state_dict()
-        if not self._sharded_checkpoints:
+        in_place = self._sharded_checkpoints and self._pieces_suffice()
+        if not in_place:
             self._rendezvous("trainer.strategy.lightning_module_state_dict()")
         keep = self.is_global_zero or not self.config.shard_params
-        return lightning_io.module_state(engine, self._sharded_checkpoints, keep)
+        return lightning_io.module_state(engine, self._sharded_checkpoints, keep, in_place)
 
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        """An optimizer's state for a checkpoint (a collective). Sharded format: torch's optimizer state keyed
+        by parameter name, per-element state (exp_avg, ...) as DTensors shaped like the parameter, as FSDP2's
+        ``get_optimizer_state_dict`` gives it; full format: consolidated on rank 0."""
         engine = self._state_engine
         if engine is None:
             return super().optimizer_state(optimizer)
-        self._rendezvous("trainer.strategy.optimizer_state()")  # full: consolidated on rank 0, which saves
-        return lightning_io.optimizer_state(engine, optimizer, self._sharded_checkpoints, keep=self.is_global_zero)
+        self._rendezvous("trainer.strategy.optimizer_state()")
+        in_place = self._sharded_checkpoints and self._pieces_suffice()
+        return lightning_io.optimizer_state(engine, optimizer, self._sharded_checkpoints, self.is_global_zero, in_place)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         self._rendezvous("trainer.save_checkpoint()")

@@ -17,7 +17,7 @@ import torch.distributed.checkpoint as dcp
 
 from ..engine.state import FORMAT as FULL_FORMAT
 from .files import META_FILE, CheckpointPathError, check_complete
-from .sharded import FORMAT, MODEL, OPTIM, load_meta, verify_checksums
+from .sharded import FORMAT, FORMAT_V1, Layout, extras_of, load_meta, read_objects, verify_checksums
 from .stream import LazyTensor, materialize, save_streaming
 
 __all__ = ["consolidated", "write_checkpoint", "write_weights", "read_directory"]
@@ -41,45 +41,60 @@ class _Reader:
 
 
 def consolidated(path: Any) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(checkpoint, state_dict): the Lightning checkpoint with lazy tensors, and its model state dict."""
+    """(checkpoint, state_dict): the Lightning checkpoint with lazy tensors, and its model state dict.
+    Reads our directories (both formats) and those of Lightning's FSDP2 strategy."""
     path = Path(path)
     verify_checksums(path)  # one process: every file
     metadata = check_complete(path)
     meta = load_meta(path)
-    lz = meta.get("lightning_zero", {})
-    if lz.get("format") != FORMAT:
-        raise CheckpointPathError(f"{path} is not a lightning_zero sharded checkpoint (no '{FORMAT}' in meta.pt).")
+    layout = Layout(path, meta, metadata)
+    keys = layout.model_keys()
+    if meta.get("lightning_zero", {}).get("format") not in (FORMAT, FORMAT_V1) and not keys:
+        raise CheckpointPathError(f"{path} is not a sharded checkpoint lightning_zero reads (no '{FORMAT}' in "
+                                  f"meta.pt and no 'state_dict.*' tensors).")
     reader = _Reader(path, metadata)
+    lazy: dict[str, LazyTensor] = {}
     state_dict: dict[str, Any] = {}
-    for key, md in metadata.state_dict_metadata.items():
-        if key.startswith(MODEL) and hasattr(md, "size"):
-            name = key[len(MODEL):]
-            state_dict[name] = reader.lazy(key, lz["params"].get(name, md.size))
-    for alias, name in lz["aliases"].items():
-        state_dict[alias] = state_dict[name]
-    state_dict.update(meta.get("state_dict_extra", {}))
+    for name, key in keys.items():
+        if key and layout.is_tensor(key):
+            state_dict[name] = lazy.setdefault(key, reader.lazy(key, layout.shape(key, name)))
+    state_dict.update(extras_of(layout, keys))
     checkpoint = {k: v for k, v in meta.items() if k not in ("lightning_zero", "state_dict_extra", "optimizer_states")}
     checkpoint["state_dict"] = state_dict
-    if "optimizer_states" in meta:
-        checkpoint["optimizer_states"] = [_optimizer(reader, info, i, lz["params"])
-                                          for i, info in enumerate(meta["optimizer_states"])]
+    count = layout.optimizer_count()
+    if count:
+        checkpoint["optimizer_states"] = [_optimizer(reader, layout, i, state_dict) for i in range(count)]
     return checkpoint, state_dict
 
 
-def _optimizer(reader: _Reader, info: dict[str, Any], index: int, shapes: dict[str, list[int]]) -> dict[str, Any]:
+def _optimizer(reader: _Reader, layout: Layout, index: int, weights: dict[str, Any]) -> dict[str, Any]:
     """torch's optimizer format: state by position in the param groups, per-element tensors full-shaped."""
-    saved = info["lightning_zero"]
-    names = saved["param_names"]
+    groups = layout.param_groups(index)
+    entries = layout.optimizer_entries(index)
+    names, out_groups = [], []
+    for group in groups:
+        start = len(names)
+        names += list(group["params"])
+        out_groups.append({**group, "params": list(range(start, len(names)))})
+    tensor_scalars = [w for e in entries.values() for kind, w in e.values()
+                      if kind == "scalar" and isinstance(w, str) and not layout.is_tensor(w)]
+    objects = read_objects(layout.path, tensor_scalars)
     state: dict[int, dict[str, Any]] = {}
+    elementwise: set[str] = set()
     for position, name in enumerate(names):
-        entry = {key: reader.lazy(f"{OPTIM}{index}/{name}/{key}", shapes[name])
-                 for key in saved["elementwise"].get(name, {})}
-        entry.update(saved["scalars"].get(name, {}))
+        entry: dict[str, Any] = {}
+        for key, (kind, where) in entries.get(name, {}).items():
+            if kind == "part":
+                entry[key] = reader.lazy(where, weights[name].shape)
+                elementwise.add(key)
+            elif isinstance(where, str):
+                entry[key] = reader._read(where) if layout.is_tensor(where) else objects[where]
+            else:
+                entry[key] = where
         if entry:
             state[position] = entry
-    elementwise = sorted({k for keys in saved["elementwise"].values() for k in keys})
-    return {"state": state, "param_groups": info["param_groups"],
-            "lightning_zero": {"format": FULL_FORMAT, "param_names": names, "elementwise": elementwise}}
+    return {"state": state, "param_groups": out_groups,
+            "lightning_zero": {"format": FULL_FORMAT, "param_names": names, "elementwise": sorted(elementwise)}}
 
 
 def _target(out: Any) -> Path:

@@ -19,24 +19,26 @@ from torch import nn
 from ..collectives import Comm
 from ..engine import ZeroEngine
 from ..engine.state import check_keys, full_model_state, full_optimizer_state, load_model_state, load_optimizer_state
-from . import deepspeed_format, sharded
+from . import deepspeed_format, dtensors, sharded
 from .files import META_FILE, CheckpointPathError
 
 __all__ = ["module_state", "optimizer_state", "save", "load", "load_model", "load_optimizers"]
 
 
-def module_state(engine: ZeroEngine, sharded_format: bool, keep: bool) -> dict[str, Any]:
-    """The module's state for a checkpoint: this rank's pieces (sharded; no collective) or the full fp32
-    state dict (a collective; ranks without ``keep`` get ``{}``)."""
+def module_state(engine: ZeroEngine, sharded_format: bool, keep: bool, in_place: bool = False) -> dict[str, Any]:
+    """The module's state for a checkpoint: DTensors (sharded; ``in_place``: this rank's pieces themselves,
+    no collective, for a save nobody else looks at) or the full fp32 state dict (ranks without ``keep`` get
+    ``{}``)."""
     if sharded_format:
-        return sharded.model_shards(engine)
+        return sharded.model_pieces(engine) if in_place else dtensors.model_state(engine)
     return full_model_state(engine, keep=keep)
 
 
-def optimizer_state(engine: ZeroEngine, optimizer: Any, sharded_format: bool, keep: bool) -> dict[str, Any]:
-    """An optimizer's state for a checkpoint (a collective either way)."""
+def optimizer_state(engine: ZeroEngine, optimizer: Any, sharded_format: bool, keep: bool,
+                    in_place: bool = False) -> dict[str, Any]:
+    """An optimizer's state for a checkpoint (a collective either way; ``in_place`` as in :func:`module_state`)."""
     if sharded_format:
-        return sharded.optimizer_shards(engine, optimizer)
+        return sharded.optimizer_pieces(engine, optimizer) if in_place else dtensors.optimizer_state(engine, optimizer)
     return full_optimizer_state(engine, optimizer, keep=keep)
 
 
