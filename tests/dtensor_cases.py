@@ -155,3 +155,42 @@ def old_format(rank: int, world: int, d: str) -> dict:
     """The committed v1 directories (2 ranks wrote them) resumed under other stages and world sizes."""
     return {"zero1_from_v1_zero2": fit_steps(world, "zero1", TOTAL, ckpt_in=f"{d}/zero2.ckpt"),
             "zero3_from_v1_zero3": fit_steps(world, "zero3", TOTAL, ckpt_in=f"{d}/zero3.ckpt")}
+
+
+# ---- torch.distributed.checkpoint.state_dict on a module the strategy trains ------------------------------
+class _StateDictApi(Callback):
+    def on_train_end(self, trainer, pl_module):
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                             get_optimizer_state_dict, set_model_state_dict)
+
+        strategy = trainer.strategy
+        full = strategy.full_state_dict(rank0_only=False)
+        got = get_model_state_dict(pl_module, options=StateDictOptions(full_state_dict=True))
+        out = {"get_dtype": str(got["fc1.weight"].dtype),
+               "get_err": max(float((got[k].float() - full[k]).abs().max()) for k in full)}
+        shifted = {k: v + 1 for k, v in full.items()}
+        set_model_state_dict(pl_module, shifted, options=StateDictOptions(full_state_dict=True))
+        after = strategy.full_state_dict(rank0_only=False)
+        out["set_err"] = max(float((after[k] - shifted[k]).abs().max()) for k in full)
+        sharded = strategy.lightning_module_state_dict()  # DTensors: every rank loads them
+        pl_module.load_state_dict({k: v * 0 - 2 for k, v in sharded.items()})
+        after = strategy.full_state_dict(rank0_only=False)
+        out["dtensor_load_err"] = max(float((after[k] + 2).abs().max()) for k in full)
+        try:
+            get_optimizer_state_dict(pl_module, trainer.optimizers[0])
+            out["optimizer"] = "returned"
+        except Exception as err:  # noqa: BLE001 - the test reads the message
+            out["optimizer"] = f"{type(err).__name__}: {err}"
+        self.out = out
+
+
+def state_dict_api_case(rank: int, world: int, stage: str, precision: str) -> dict:
+    assert lightning_zero
+    pl.seed_everything(0, verbose=False)
+    probe = _StateDictApi()
+    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=ZeroStrategy(stage=int(stage[-1])),
+                         precision=precision, max_steps=2, logger=False, enable_checkpointing=False,
+                         callbacks=[probe], enable_progress_bar=False, enable_model_summary=False,
+                         num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False)
+    trainer.fit(StepLM(), dummy_loader())
+    return probe.out

@@ -185,6 +185,7 @@ class Layout:
         return keys
 
     def shape(self, key: str, name: str) -> torch.Size:
+        name = self.lz.get("aliases", {}).get(name, name)
         shape = self.lz.get("params", {}).get(name)
         return torch.Size(shape) if shape is not None else self.entries[key].size
 

@@ -33,7 +33,7 @@ from .flat_unit import FlatUnit, UnitState
 from .gather import Gatherer
 from .grads import GradientReducer, ReducePolicy
 from .groups import build_needs, group_lookup, group_modules, members_of, owner_of
-from .guard import install_state_dict_guard
+from .guard import install_load_into_masters, install_state_dict_guard
 from .materialize import RngState, check_no_meta_left, has_meta, materialize_module, model_initializers
 from .offload import Offloader
 from .optim import Routes, check_optimizer, pieces_in_groups, unwrap
@@ -119,6 +119,7 @@ class ZeroEngine:
         self.routes.route_module(module, self.zero_all_grads)
         self._sync_buffers_next = True  # see before_training_forward
         self._guards = install_state_dict_guard(module, self.units) if config.shard_params else []
+        self._guards += install_load_into_masters(module, self.units)
         _live.add(self)
 
     @staticmethod

@@ -1,4 +1,6 @@
-"""A module whose parameters are sharded must not hand out empty tensors as its state dict.
+"""A module whose parameters live in the engine: what its ``state_dict`` and ``load_state_dict`` do.
+
+``state_dict``: a module whose parameters are sharded must not hand out empty tensors.
 
 Under stage 3 a sharded parameter is an empty placeholder (see [Note: sharded parameters]);
 ``module.state_dict()`` would silently return those. Gathering instead would need every rank
@@ -12,11 +14,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import torch
 from torch import nn
 
 from .flat_unit import FlatUnit, UnitState
 
-__all__ = ["allow_state_dict", "install_state_dict_guard", "ShardedStateDictError"]
+__all__ = ["allow_state_dict", "install_state_dict_guard", "install_load_into_masters", "ShardedStateDictError"]
 
 _allowed = [0]
 
@@ -59,3 +62,50 @@ class _Guard:
             f"Get the real values with trainer.strategy.full_state_dict() (call it on every rank; rank 0 gets the "
             f"full fp32 state dict on CPU), from a checkpoint with `python -m lightning_zero.consolidate CKPT_DIR "
             f"OUT.ckpt --weights-only OUT.pt`, or train with stage 1/2, whose module holds full parameters.")
+
+
+def install_load_into_masters(module: nn.Module, units: list[FlatUnit]) -> list[Any]:
+    """``module.load_state_dict`` (and ``set_model_state_dict``, which calls it) writes into the fp32 masters.
+
+    Without this, loading after setup would change only the compute copies (stages 1/2: the next step
+    overwrites them from the masters) or fail on the empty placeholders (stage 3), and training would go on
+    from the old weights. Full tensors and DTensors (``lightning_module_state_dict()``'s, gathered with
+    ``full_tensor()``: then every rank must load) are taken. Returns the hook handles."""
+    slot_of = {id(p): (u, i) for u in units for i, p in enumerate(u.params)}
+    handles = []
+    for sub in module.modules():
+        owned = {n: slot_of[id(p)] for n, p in sub._parameters.items() if p is not None and id(p) in slot_of}
+        if owned:
+            handles.append(sub._register_load_state_dict_pre_hook(_LoadIntoMasters(owned), with_module=True))
+    return handles
+
+
+class _LoadIntoMasters:
+    def __init__(self, owned: dict[str, tuple[FlatUnit, int]]) -> None:
+        self.owned = owned
+
+    @torch.no_grad()
+    def __call__(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any, strict: bool,
+                 missing_keys: list[str], unexpected_keys: list[str], error_msgs: list[str]) -> None:
+        from torch.distributed.tensor import DTensor
+
+        for name, (unit, slot) in self.owned.items():
+            key = prefix + name
+            value = state_dict.get(key)
+            if isinstance(value, DTensor):
+                value = value.full_tensor()
+            if not isinstance(value, torch.Tensor):
+                continue
+            param = module._parameters[name]
+            shape = torch.Size(unit.shapes[slot])
+            if value.shape != shape:
+                error_msgs.append(f"size mismatch for {key}: copying a param with shape {tuple(value.shape)} from "
+                                  f"checkpoint, the shape in current model is {tuple(shape)}.")
+                state_dict[key] = param.detach()  # reported here; torch would compare with the placeholder
+                continue
+            piece = unit.spans[slot]
+            if piece is not None:
+                unit.master.detach()[piece.shard_start:piece.shard_start + piece.length].copy_(
+                    value.detach().reshape(-1)[piece.param_start:piece.param_start + piece.length])
+            state_dict[key] = value if param.numel() == value.numel() else param.detach()  # stage 3: a placeholder
+            unit.refresh_param_shard()
