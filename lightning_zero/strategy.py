@@ -370,14 +370,16 @@ class ZeroStrategy(ParallelStrategy):
                                                                                                self.lightning_module)
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The module's state for a checkpoint (a collective: call it on every rank).
+        """The module's state for a checkpoint.
 
         Sharded format (the default): the module's keys; each managed parameter is a ``DTensor`` (``Shard(0)``
         on a 1-D mesh over the strategy's ranks, the parameter's shape, fp32 master values), as FSDP2's
         ``get_model_state_dict`` gives them: ``.full_tensor()``, ``.to_local()``, elementwise math and
         ``torch.distributed.checkpoint`` work as torch documents. Tied parameters are one object under each
-        name. Buffers and parameters lightning_zero does not manage are plain tensors. The DTensors are a copy
-        of this rank's share, on the host (on one rank: views of the masters themselves).
+        name. Buffers and parameters lightning_zero does not manage are plain tensors. On one rank, and under
+        stages 1/2 computing in fp32, the DTensors are views of the live values and building them runs no
+        collective (a callback may call it on one rank); otherwise every rank must call it (ZeRO's pieces are
+        not DTensor's row chunks: they are exchanged) and the DTensors are a host copy of this rank's share.
 
         ``checkpoint_format="full"``: the full fp32 state dict (stages 1/2 on every rank, stage 3 on rank 0
         only, so that a model too big for one rank is not copied into every rank's memory).
@@ -386,7 +388,7 @@ class ZeroStrategy(ParallelStrategy):
         if engine is None:
             return super().lightning_module_state_dict()
         in_place = self._sharded_checkpoints and self._pieces_suffice()
-        if not in_place:
+        if not (in_place or lightning_io.module_state_is_local(engine, self._sharded_checkpoints)):
             self._rendezvous("trainer.strategy.lightning_module_state_dict()")
         keep = self.is_global_zero or not self.config.shard_params
         return lightning_io.module_state(engine, self._sharded_checkpoints, keep, in_place)

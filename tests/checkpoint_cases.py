@@ -83,11 +83,12 @@ class _StateAtEnd(Callback):
 def fit_steps(world: int, strategy: str, steps: int, ckpt_in: str | None = None, save_to: str | None = None,
               plugin: str = "", options: dict | None = None, inject: tuple = (), callbacks: list | None = None,
               ckpt_dir: str | None = None, save_after_fit: str | None = None, accelerator: str = "cpu",
-              fused: bool | None = None) -> dict:
+              fused: bool | None = None, nodes: int = 1) -> dict:
     """Train StepLM to ``max_steps=steps`` (resuming from ``ckpt_in``).
 
     ``save_to`` saves from on_train_end; ``save_after_fit`` calls ``trainer.save_checkpoint`` once
-    ``trainer.fit`` has returned (what users write after training).
+    ``trainer.fit`` has returned (what users write after training). ``nodes``: the ranks as that many
+    nodes (``nodes=world`` with dist_utils' ``one_gpu``: every rank on the one GPU).
     """
     assert lightning_zero  # registers the names
     pl.seed_everything(0, verbose=False)
@@ -95,7 +96,7 @@ def fit_steps(world: int, strategy: str, steps: int, ckpt_in: str | None = None,
     module.inject_inf_at = set(inject)
     module.fused = fused
     end = _StateAtEnd(save_to)
-    trainer = pl.Trainer(accelerator=accelerator, devices=world, strategy=make_strategy(strategy, **(options or {})),
+    trainer = pl.Trainer(accelerator=accelerator, devices=world // nodes, num_nodes=nodes, strategy=make_strategy(strategy, **(options or {})),
                          precision=None if plugin else "32-true", plugins=[ZeroPrecision(plugin)] if plugin else None,
                          max_steps=steps, logger=False, enable_checkpointing=bool(callbacks),
                          callbacks=[end, *(callbacks or [])], enable_progress_bar=False, enable_model_summary=False,

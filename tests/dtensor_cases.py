@@ -11,7 +11,6 @@ from __future__ import annotations
 import warnings
 
 import lightning.pytorch as pl
-import torch
 from checkpoint_cases import FIRST, TOTAL, StepLM, dummy_loader, fit_steps
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import ModelParallelStrategy
@@ -45,12 +44,13 @@ class _FullStateAtEnd(Callback):
             trainer.save_checkpoint(self.save_to)
 
 
-def fsdp_fit_steps(world: int, steps: int, ckpt_in: str | None = None, save_to: str | None = None) -> dict:
-    """fit_steps' FSDP2 twin: StepLM under ModelParallelStrategy on ``world`` CPU ranks."""
+def fsdp_fit_steps(world: int, steps: int, ckpt_in: str | None = None, save_to: str | None = None,
+                   accelerator: str = "cpu") -> dict:
+    """fit_steps' FSDP2 twin: StepLM under ModelParallelStrategy on ``world`` ranks."""
     pl.seed_everything(0, verbose=False)
     module = FSDPStepLM()
     end = _FullStateAtEnd(save_to)
-    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=ModelParallelStrategy(data_parallel_size=world,
+    trainer = pl.Trainer(accelerator=accelerator, devices=world, strategy=ModelParallelStrategy(data_parallel_size=world,
                                                                                          tensor_parallel_size=1),
                          precision="32-true", max_steps=steps, logger=False, enable_checkpointing=False,
                          callbacks=[end], enable_progress_bar=False, enable_model_summary=False,
@@ -113,12 +113,13 @@ class _InspectState(Callback):
         self.out = out
 
 
-def dtensor_case(rank: int, world: int, d: str, stage: str) -> dict:
+def dtensor_case(rank: int, world: int, d: str, stage: str, accelerator: str = "cpu", nodes: int = 1) -> dict:
     assert lightning_zero
     pl.seed_everything(0, verbose=False)
     module = StepLM()
     inspect = _InspectState(f"{d}/{stage}_inspect.ckpt")
-    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=ZeroStrategy(stage=int(stage[-1])),
+    trainer = pl.Trainer(accelerator=accelerator, devices=world // nodes, num_nodes=nodes,
+                         strategy=ZeroStrategy(stage=int(stage[-1])),
                          precision="32-true", max_steps=3, logger=False, enable_checkpointing=False,
                          callbacks=[inspect], enable_progress_bar=False, enable_model_summary=False,
                          num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False)
@@ -160,8 +161,12 @@ def old_format(rank: int, world: int, d: str) -> dict:
 # ---- torch.distributed.checkpoint.state_dict on a module the strategy trains ------------------------------
 class _StateDictApi(Callback):
     def on_train_end(self, trainer, pl_module):
-        from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                             get_optimizer_state_dict, set_model_state_dict)
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+            set_model_state_dict,
+        )
 
         strategy = trainer.strategy
         full = strategy.full_state_dict(rank0_only=False)
@@ -194,3 +199,27 @@ def state_dict_api_case(rank: int, world: int, stage: str, precision: str) -> di
                          num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False)
     trainer.fit(StepLM(), dummy_loader())
     return probe.out
+
+
+# ---- the same on the GPU (tests/test_gpu_dtensor.py) -------------------------------------------------------
+def gpu_zero_writers(rank: int, world: int, d: str) -> dict:
+    """Two ranks on the one GPU (gloo): ZeRO stages 2 and 3 save; the reference; FSDP2's checkpoint resumed."""
+    out = {"ref": fit_steps(world, "zero2", TOTAL, accelerator="gpu", nodes=world)}
+    for stage in ("zero2", "zero3"):
+        fit_steps(world, stage, FIRST, save_to=f"{d}/{stage}.ckpt", accelerator="gpu", nodes=world)
+    return out
+
+
+def gpu_zero_readers(rank: int, world: int, d: str) -> dict:
+    return {"zero3_from_fsdp": fit_steps(world, "zero3", TOTAL, ckpt_in=f"{d}/fsdp.ckpt", accelerator="gpu",
+                                         nodes=world),
+            "zero2_from_fsdp": fit_steps(world, "zero2", TOTAL, ckpt_in=f"{d}/fsdp.ckpt", accelerator="gpu",
+                                         nodes=world)}
+
+
+def gpu_fsdp(rank: int, world: int, d: str) -> dict:
+    """One rank, NCCL: FSDP2 resumes ZeRO's checkpoints, then writes its own."""
+    out = {"fsdp_from_zero2": fsdp_fit_steps(world, TOTAL, ckpt_in=f"{d}/zero2.ckpt", accelerator="gpu"),
+           "fsdp_from_zero3": fsdp_fit_steps(world, TOTAL, ckpt_in=f"{d}/zero3.ckpt", accelerator="gpu")}
+    fsdp_fit_steps(world, FIRST, save_to=f"{d}/fsdp.ckpt", accelerator="gpu")
+    return out

@@ -1,15 +1,15 @@
 """A 2-rank job in which something happens on one rank only, started the way users start one
 (``python script.py`` with ``Trainer(devices=2)``: Lightning launches rank 1 itself).
 
-    python tests/one_rank_job.py OUT {overflow|convert|collective} STRATEGY
+    python tests/one_rank_job.py OUT {overflow|sharded|collective} STRATEGY
 
-- ``overflow``: fp16 with loss scaling; rank 1's loss is infinite at steps 2 and 3, and a
-  callback on rank 0 only reads state after every step (the module's weights as the strategy
-  hands them out, the loss scale, the memory report). Each rank records which steps changed
-  its parameters; the job must end normally.
-- ``convert``: a callback on rank 0 only converts the values of
-  ``trainer.strategy.lightning_module_state_dict()`` with ``.float()``, which sharded values do
-  not support: the job must end with that error on every rank, not hang.
+- ``overflow``: fp16 with loss scaling; rank 1's loss is infinite at steps 2 and 3. After every
+  step every rank builds ``trainer.strategy.lightning_module_state_dict()`` (DTensors; under fp16
+  a collective), then a callback on rank 0 only reads state (the DTensors' local values and
+  elementwise math on them, the loss scale, the memory report). Each rank records which steps
+  changed its parameters; the job must end normally.
+- ``sharded``: rank 0 alone calls ``lightning_module_state_dict()``, a collective under fp16: rank 0
+  must get an error naming it, and every rank must end, not hang.
 - ``collective``: a callback on rank 0 only calls ``trainer.strategy.full_state_dict()``, a
   collective: rank 0 must get an error naming the rank that never came, not hang.
 
@@ -65,15 +65,17 @@ class ReadOnRankZero(pl.Callback):
         self.reads = 0
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        from torch.distributed.tensor import DTensor
+
+        state = trainer.strategy.lightning_module_state_dict() if self.scenario == "overflow" else None
         if not trainer.is_global_zero:
             return
         if self.scenario == "collective":
             trainer.strategy.full_state_dict()  # a collective under is_global_zero: an error, not a hang
-        state = trainer.strategy.lightning_module_state_dict()
-        if self.scenario == "convert":
-            {k: v.float() for k, v in state.items()}  # sharded values: this raises on rank 0 only
-        shards = [s.tensor for v in state.values() if hasattr(v, "local_shards") for s in v.local_shards()]
-        assert shards and all(torch.isfinite(t).all() for t in shards)
+        if self.scenario == "sharded":
+            trainer.strategy.lightning_module_state_dict()  # the same: an error on rank 0, not a hang
+        parts = [(v.float() * 2).to_local() for v in state.values() if isinstance(v, DTensor)]
+        assert parts and all(torch.isfinite(t).all() for t in parts)
         assert trainer.precision_plugin.loss_scale > 0
         trainer.strategy.memory_report()
         self.reads += 1

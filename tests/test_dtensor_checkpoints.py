@@ -11,6 +11,7 @@ from __future__ import annotations
 import tarfile
 from pathlib import Path
 
+import dtensor_cases as cases
 import pytest
 import torch
 from checkpoint_cases import FIRST, TOTAL, StepLM
@@ -18,7 +19,6 @@ from dist_utils import run_ranks
 from parity import state_err
 from test_checkpoint import assert_resumed_like
 
-import dtensor_cases as cases
 from lightning_zero.checkpoint.export import write_weights
 
 FIXTURE = Path(__file__).parent / "fixtures" / "sharded_v1.tar.gz"

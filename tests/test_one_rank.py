@@ -56,7 +56,7 @@ def test_overflow_on_one_rank_is_skipped_everywhere_while_rank0_reads_state(tmp_
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("scenario,message", [("convert", "ShardedTensor"), ("collective", "full_state_dict()")])
+@pytest.mark.parametrize("scenario,message", [("sharded", "lightning_module_state_dict()"), ("collective", "full_state_dict()")])
 @pytest.mark.parametrize("strategy", ["zero2", "zero3"])
 def test_an_error_on_rank0_only_ends_every_rank(tmp_path, scenario, message, strategy):
     job = run_job(tmp_path, scenario, strategy)

@@ -24,13 +24,13 @@ from torch import nn
 
 from ..collectives import Comm
 from ..engine import ZeroEngine
-from ..engine.flat_unit import FlatUnit
+from ..engine.flat_unit import FlatUnit, UnitState
 from ..engine.guard import allow_state_dict
 from ..engine.optim import unwrap
 from ..engine.state import cpu_copy, is_elementwise
 from .boxes import chunk_range, transfers
 
-__all__ = ["model_state", "optimizer_state", "piece_values", "keys_of", "gather_state_info"]
+__all__ = ["model_state", "model_state_is_local", "optimizer_state", "piece_values", "keys_of", "gather_state_info"]
 
 
 def keys_of(module: nn.Module) -> dict[int, list[str]]:
@@ -104,17 +104,44 @@ def _exchange(comm: Comm, unit: FlatUnit, slots: list[int], values: Callable[[in
     return out
 
 
+def _holds_fp32_values(unit: FlatUnit) -> bool:
+    """Stages 1/2 with fp32 compute: the unit's gathered buffer holds every parameter's master values
+    (the masters are views of it), so any rank's chunk is a view of it."""
+    return unit.full is not None and unit.full.dtype == torch.float32 and unit.state is UnitState.UNSHARDED \
+        and bool(unit.views)
+
+
+def model_state_is_local(engine: ZeroEngine) -> bool:
+    """Whether :func:`model_state` runs without a collective (one rank, or stages 1/2 computing in fp32):
+    then a callback may call it on one rank."""
+    return engine.comm.world_size == 1 or all(_holds_fp32_values(u) for u in engine.units)
+
+
+def _local_chunks(comm: Comm, unit: FlatUnit) -> dict[int, torch.Tensor]:
+    out = {}
+    for slot, view in enumerate(unit.views):
+        if unit.layout.slots[slot].numel:
+            lo, hi = chunk_range(unit.shapes[slot], comm.rank, comm.world_size)
+            out[slot] = view.detach().reshape(-1)[lo:hi]
+    return out
+
+
 @torch.no_grad()
 def model_state(engine: ZeroEngine) -> dict[str, Any]:
     """The module's state dict: each managed parameter a DTensor of its fp32 master (every tied name the
-    same object); buffers, parameters lightning_zero does not manage and extra state as the module holds them."""
+    same object); buffers, parameters lightning_zero does not manage and extra state as the module holds them.
+    A collective unless :func:`model_state_is_local`."""
     with allow_state_dict():
         full = engine.module.state_dict(keep_vars=True)
     keys = keys_of(engine.module)
     managed: dict[str, Any] = {}
+    local = model_state_is_local(engine)
     for unit in engine.units:
         slots = list(range(len(unit.params)))
-        chunks = _exchange(engine.comm, unit, slots, lambda s, u=unit: piece_values(u, s), torch.float32)
+        if local and engine.comm.world_size > 1:
+            chunks = _local_chunks(engine.comm, unit)
+        else:
+            chunks = _exchange(engine.comm, unit, slots, lambda s, u=unit: piece_values(u, s), torch.float32)
         for slot, param in enumerate(unit.params):
             if slot in chunks:
                 value = _dtensor(engine.comm, chunks[slot], torch.Size(unit.shapes[slot]))

@@ -22,7 +22,7 @@ from ..engine.state import check_keys, full_model_state, full_optimizer_state, l
 from . import deepspeed_format, dtensors, sharded
 from .files import META_FILE, CheckpointPathError
 
-__all__ = ["module_state", "optimizer_state", "save", "load", "load_model", "load_optimizers"]
+__all__ = ["module_state", "module_state_is_local", "optimizer_state", "save", "load", "load_model", "load_optimizers"]
 
 
 def module_state(engine: ZeroEngine, sharded_format: bool, keep: bool, in_place: bool = False) -> dict[str, Any]:
@@ -32,6 +32,11 @@ def module_state(engine: ZeroEngine, sharded_format: bool, keep: bool, in_place:
     if sharded_format:
         return sharded.model_pieces(engine) if in_place else dtensors.model_state(engine)
     return full_model_state(engine, keep=keep)
+
+
+def module_state_is_local(engine: ZeroEngine, sharded_format: bool) -> bool:
+    """Whether :func:`module_state` runs without a collective (see ``dtensors.model_state_is_local``)."""
+    return sharded_format and dtensors.model_state_is_local(engine)
 
 
 def optimizer_state(engine: ZeroEngine, optimizer: Any, sharded_format: bool, keep: bool,

@@ -37,7 +37,7 @@ from ..engine.guard import allow_state_dict
 from ..engine.optim import unwrap
 from ..engine.state import check_keys, cpu_copy
 from . import checksums
-from .dtensors import dtype_of, keys_of, optimizer_state, piece_values
+from .dtensors import keys_of, optimizer_state, piece_values
 from .files import DCP_METADATA, META_FILE, CheckpointPathError, check_complete, commit, partial_path, prepare_partial
 from .pieces import PieceTensor
 
@@ -161,6 +161,7 @@ class Layout:
         self.v1 = self.lz.get("format") == FORMAT_V1
         self.entries = metadata.state_dict_metadata
         self.paths = dict(getattr(metadata, "planner_data", None) or {})  # DCP key -> its path in the saved dict
+        self._model_keys: Optional[dict[str, str]] = None
 
     def _path(self, key: str) -> tuple:
         return tuple(self.paths.get(key, ()))
@@ -168,6 +169,11 @@ class Layout:
     # model
     def model_keys(self) -> dict[str, str]:
         """Every state-dict key the directory holds -> the DCP key of its value (tied names included)."""
+        if self._model_keys is None:
+            self._model_keys = self._find_model_keys()
+        return dict(self._model_keys)
+
+    def _find_model_keys(self) -> dict[str, str]:
         if self.v1:
             keys = {k[len(_V1_MODEL):]: k for k in self.entries if k.startswith(_V1_MODEL)}
             keys.update({k: "" for k in self.meta.get("state_dict_extra", {})})
