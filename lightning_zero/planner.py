@@ -61,6 +61,7 @@ class Placement:
     why: str = ""
 
     gpu_total_cap: int = 0
+    runner_up: Optional[Placement] = None  # choose(): the next placement that fits
 
     @property
     def free_for_activations(self) -> int:
@@ -84,7 +85,7 @@ def estimate(num_params: int, config: Optional[ZeroConfig], hw: Hardware, *, com
     n, w = num_params, hw.world
     p = compute_bytes
     master = 4 if p != 4 else 0  # fp32 compute: the master is the parameter itself (stages 1/2)
-    name = "ddp" if config is None else _name(config)
+    name = "ddp" if config is None else placement_name(config)
     out = Placement(name=name, config=config, activations=activations, gpu_total_cap=int(hw.gpu_bytes * HEADROOM))
     if config is None:  # DDP under autocast: fp32 parameters, fp32 gradients, the optimizer state
         out.gpu_state = int((4 + 4 + state_bytes) * n + 25e6 * 4)  # + DDP's 25 MB buckets
@@ -129,7 +130,7 @@ def _accum_bytes(config: ZeroConfig, compute_bytes: int) -> int:
     return compute_bytes if name is None else (4 if name in ("fp32", "float32") else 2)
 
 
-def _name(config: ZeroConfig) -> str:
+def placement_name(config: ZeroConfig) -> str:
     name = f"zero{config.stage}"
     if config.offloads:
         where = config.offload_optimizer + ("+params " + config.offload_params if config.offload_params != "none" else "")
@@ -191,19 +192,35 @@ def _with_accumulation(config: ZeroConfig, kwargs: dict) -> list[ZeroConfig]:
     return [config]
 
 
+def _gpu_fits(row: Placement) -> bool:
+    return row.gpu_total <= row.gpu_total_cap
+
+
 def recommend_partial(num_params: int, hw: Hardware, stage: int = 2, **kwargs: object) -> Optional[Placement]:
-    """``stage`` with the smallest offload fraction (steps of 5%) that fits, when zero2 without offload does
-    not; at each fraction the device accumulator is tried before host accumulation. (Stage 3 keeps no 16-bit
-    copy of the units it does not offload: the gathers cast their fp32 masters, so it fits more.)"""
+    """``stage`` with the smallest offload fraction (to 1%) that fits, when zero2 without offload does not;
+    the device accumulator is preferred to host accumulation at the same fraction. (Stage 3 keeps no 16-bit
+    copy of the units it does not offload: the gathers cast their fp32 masters, so it fits more.)
+
+    GPU memory falls and host memory grows with the fraction, so the smallest fraction whose GPU side fits
+    is found by bisection, and the placement fits at all only if its host side fits there."""
     if estimate(num_params, ZeroConfig(stage=2), hw, **kwargs).fits:
         return None
-    for percent in range(5, 100, 5):
-        for config in _with_accumulation(
-                ZeroConfig(stage=stage, offload_optimizer="cpu", offload_fraction=percent / 100), kwargs):
-            row = estimate(num_params, config, hw, **kwargs)
-            if row.fits:
-                return row
-    return None
+    best: Optional[Placement] = None
+    base = ZeroConfig(stage=stage, offload_optimizer="cpu", offload_fraction=0.99)
+    for variant in _with_accumulation(base, kwargs):
+        def row_at(percent: int, variant: ZeroConfig = variant) -> Placement:
+            return estimate(num_params, variant.replace(offload_fraction=percent / 100), hw, **kwargs)
+
+        if not _gpu_fits(row_at(99)):
+            continue
+        lo, hi = 0, 99  # GPU side: lo does not fit (0% is zero2/zero3 itself), hi does
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if _gpu_fits(row_at(mid)) else (mid, hi)
+        row = row_at(hi)
+        if row.fits and (best is None or row.config.offload_fraction < best.config.offload_fraction):
+            best = row
+    return best
 
 
 def choose(num_params: int, hw: Hardware, base: ZeroConfig, **kwargs: object) -> Placement:
@@ -219,37 +236,64 @@ def choose(num_params: int, hw: Hardware, base: ZeroConfig, **kwargs: object) ->
     keep = {k: v for k, v in base.to_dict().items()
             if k not in ("stage", "offload_optimizer", "offload_params", "offload_fraction", "offload_accumulation",
                          "auto_placement")}
-    for option in options:
-        for config in _with_accumulation(option.replace(**keep), kwargs):
-            row = estimate(num_params, config, hw, **kwargs)
-            if row.fits:
-                row.why = (f"{row.name}: {row.gpu_total / GiB:.1f} GiB of {hw.gpu_bytes / GiB:.0f} GiB GPU, "
-                           f"{row.host / GiB:.1f} GiB host per rank; the first that fits in order of least traffic")
-                return row
+    fitting = [row for option in options for config in _with_accumulation(option.replace(**keep), kwargs)
+               for row in [estimate(num_params, config, hw, **kwargs)] if row.fits]
+    if fitting:
+        row = fitting[0]
+        row.runner_up = next((r for r in fitting[1:] if r.name != row.name), None)
+        row.why = (f"{_figures(row, hw)}; the first that fits in order of least traffic"
+                   + (f" (runner-up {_figures(row.runner_up, hw)})" if row.runner_up else ""))
+        return row
     raise ValueError(
         f"No placement fits {num_params / 1e9:.2f}B parameters on {hw.world} GPU(s) of {hw.gpu_bytes / GiB:.0f} GiB "
         f"with {hw.host_bytes / GiB:.0f} GiB host memory and {hw.nvme_bytes / GiB:.0f} GiB NVMe per node: add GPUs "
         f"or nodes, give an nvme_path with room, or use activation checkpointing / a smaller micro-batch.")
 
 
+def _figures(row: Placement, hw: Hardware) -> str:
+    step = max(row.seconds.values()) if row.seconds and any(row.seconds.values()) else 0.0
+    return (f"{row.name}: {row.gpu_total / GiB:.1f} GiB of {hw.gpu_bytes / GiB:.0f} GiB GPU, {row.host / GiB:.1f} "
+            f"GiB host per rank" + (f", {step:.2f} s a step ({row.bottleneck})" if step else ""))
+
+
 ACTIVATION_SHARE = 0.25  # zero_auto plans before any step ran: this share of GPU memory stays free for activations
 
 
+def gpu_budget(device: Any) -> int:
+    """Bytes this process may allocate on its GPU: the device's memory times the per-process memory fraction
+    (``torch.cuda.set_per_process_memory_fraction``), and no more than is free now (other processes) plus
+    what this process already holds."""
+    import torch
+
+    total = torch.cuda.get_device_properties(device).total_memory
+    fraction = getattr(torch.cuda, "get_per_process_memory_fraction", lambda d: 1.0)(device)
+    free, _ = torch.cuda.mem_get_info(device)
+    return int(min(total * fraction, free + torch.cuda.memory_reserved(device)))
+
+
 def hardware_here(device: object, gpus_per_node: int, nodes: int, config: ZeroConfig) -> Hardware:
-    """The node this process runs on: its GPU's memory, the host's memory and the NVMe directory's free space."""
+    """The node this process runs on: the GPU memory this process may use, the host memory the node (its
+    cgroup) can still give (see host_memory) and the NVMe directory's free space."""
     import os
     import shutil
 
-    import torch
+    from .host_memory import read_host_budget
 
-    gpu = torch.cuda.get_device_properties(device).total_memory if getattr(device, "type", "") == "cuda" else 0
-    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    gpu = gpu_budget(device) if getattr(device, "type", "") == "cuda" else 0
+    host = read_host_budget(gpus_per_node).node_free
     path = config.nvme_path or os.environ.get("LIGHTNING_ZERO_NVME_PATH")
     nvme = shutil.disk_usage(path).free if path and os.path.isdir(path) else 0
     if not gpu:  # CPU training: "device" memory is the host's, shared by the ranks of the node
         gpu = host // max(gpus_per_node, 1)
     return Hardware(gpus_per_node=gpus_per_node, nodes=nodes, gpu_bytes=int(gpu * (1 - ACTIVATION_SHARE)),
                     host_bytes=host, nvme_bytes=nvme)
+
+
+def host_bytes_per_rank(num_params: int, config: ZeroConfig, world: int, compute_bytes: int, accumulate: int = 1,
+                        largest_unit: int = 0) -> int:
+    """The host memory one rank of ``world`` allocates for ``config`` (what the engine checks before allocating)."""
+    return estimate(num_params, config, Hardware(gpus_per_node=1, nodes=world), compute_bytes=compute_bytes,
+                    accumulate=accumulate, largest_unit=largest_unit).host
 
 
 def plan_for_run(module: Any, device: Any, gpus_per_node: int, nodes: int, config: ZeroConfig, compute_dtype: Any,

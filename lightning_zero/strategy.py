@@ -197,8 +197,25 @@ class ZeroStrategy(ParallelStrategy):
             self._undo_hold = lightning_loop.hold_schedulers_on_skip(trainer, self.lightning_module,
                                                                      self.precision_plugin.step_applied)
 
+    def _check_host_memory(self, trainer: Any) -> None:
+        """Offload: the host memory the plan needs must be there (MemAvailable, the cgroup limit, the node's other
+        ranks) before anything is allocated: one error on every rank instead of the kernel's OOM kill."""
+        from .host_memory import HostMemoryError, read_host_budget, shortfall
+        from .planner import host_bytes_per_rank, placement_name
+
+        numel = sum(p.numel() for p in self.lightning_module.parameters())
+        needed = host_bytes_per_rank(numel, self.config, self.world_size,
+                                     4 if self.precision_plugin.compute_dtype == torch.float32 else 2,
+                                     int(trainer.accumulate_grad_batches or 1))
+        problem = shortfall(needed, read_host_budget(self.num_processes), f"ZeroStrategy ({placement_name(self.config)})")
+        problem = next((p for p in self.comm.all_gather_object(problem) if p), None)
+        if problem:
+            raise HostMemoryError(problem)
+
     def _build_engine(self, trainer: Any, fitting: bool) -> None:
         optimizers = list(self.optimizers) if fitting else []
+        if self.config.offloads and fitting:
+            self._check_host_memory(trainer)
         self.engine = engine = ZeroEngine(
             self.lightning_module, optimizers, self.config, self.comm, self.root_device,
             self.precision_plugin.compute_dtype, init_rng=self._init_rng,

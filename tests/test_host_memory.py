@@ -1,0 +1,130 @@
+"""The host budget (MemAvailable, cgroup v1/v2 limits, ranks of the node) and the refusal before allocating.
+
+/proc and /sys are fake trees here (``read_host_budget(root=...)``; the strategy reads the tree named by
+``LIGHTNING_ZERO_HOST_ROOT``), so every case is exact.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import lightning_zero
+from lightning_zero import ZeroStrategy
+from lightning_zero.host_memory import MARGIN, HostMemoryError, read_host_budget, shortfall
+from lightning_zero.planner import GiB, Hardware, choose, estimate, recommend_partial
+
+G = 2**30
+
+
+def fake_host(root: Path, available: int, cgroup: str = "", files: dict | None = None) -> Path:
+    (root / "proc/self").mkdir(parents=True, exist_ok=True)
+    (root / "proc/meminfo").write_text(f"MemTotal:  999999999 kB\nMemAvailable: {available // 1024} kB\n")
+    (root / "proc/self/cgroup").write_text(cgroup)
+    for rel, text in (files or {}).items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    return root
+
+
+def test_without_a_limit_the_budget_is_mem_available_shared_by_the_ranks(tmp_path):
+    root = fake_host(tmp_path, 100 * G, "0::/\n", {"sys/fs/cgroup/memory.max": "max\n"})
+    budget = read_host_budget(4, root=root)
+    assert budget.node_free == 100 * G and budget.per_rank == 25 * G and budget.cgroup_limit is None
+    assert "MemAvailable" in budget.source
+
+
+def test_a_cgroup_v2_limit_bounds_it_with_reclaimable_cache_counted_free(tmp_path):
+    root = fake_host(tmp_path, 100 * G, "0::/job/step\n", {
+        "sys/fs/cgroup/job/memory.max": str(8 * G), "sys/fs/cgroup/job/memory.current": str(3 * G),
+        "sys/fs/cgroup/job/memory.stat": f"anon 100\ninactive_file {G}\n",
+        "sys/fs/cgroup/job/step/memory.max": "max", "sys/fs/cgroup/job/step/memory.current": str(3 * G)})
+    budget = read_host_budget(2, root=root)
+    assert budget.node_free == 6 * G and budget.per_rank == 3 * G  # 8 - 3 + 1 (inactive file pages)
+    assert budget.cgroup_limit == 8 * G and "sys/fs/cgroup/job/memory.max" in budget.source
+
+
+def test_a_cgroup_v1_limit_inside_a_namespace(tmp_path):
+    # /proc/self/cgroup names a path the namespaced mount does not have: the mount's root is this cgroup
+    root = fake_host(tmp_path, 50 * G, "4:memory:/slurm/uid_1/job_7\n0::/\n", {
+        "sys/fs/cgroup/memory/memory.limit_in_bytes": str(20 * G),
+        "sys/fs/cgroup/memory/memory.usage_in_bytes": str(4 * G)})
+    budget = read_host_budget(1, root=root)
+    assert budget.node_free == 16 * G and budget.cgroup_free == 16 * G
+    unlimited = fake_host(tmp_path / "u", 50 * G, "4:memory:/\n", {
+        "sys/fs/cgroup/memory/memory.limit_in_bytes": "9223372036854771712",
+        "sys/fs/cgroup/memory/memory.usage_in_bytes": str(4 * G)})
+    assert read_host_budget(1, root=unlimited).node_free == 50 * G  # v1's "no limit" value
+
+
+def test_memavailable_below_the_limit_wins(tmp_path):
+    root = fake_host(tmp_path, 5 * G, "0::/\n", {"sys/fs/cgroup/memory.max": str(64 * G),
+                                                 "sys/fs/cgroup/memory.current": str(G)})
+    assert read_host_budget(1, root=root).node_free == 5 * G
+
+
+def test_the_refusal_names_bytes_budget_and_ways_out(tmp_path):
+    root = fake_host(tmp_path, 100 * G, "0::/\n", {"sys/fs/cgroup/memory.max": str(40 * G),
+                                                   "sys/fs/cgroup/memory.current": "0"})
+    budget = read_host_budget(2, root=root)
+    assert shortfall(int(19 * G / (1 + MARGIN)), budget, "x") is None
+    message = shortfall(25 * G, budget, "ZeroStrategy (zero2 offload cpu)")
+    assert "25.0 GiB of host memory per rank" in message and "20.0 GiB per rank" in message
+    assert "cgroup limit 40.0 GiB" in message and "offload_fraction" in message and "nvme" in message
+    assert "\n" not in message
+
+
+class _Tiny(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 1))
+
+    def training_step(self, batch, batch_idx):
+        return self.net(batch[0]).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+def _fit(monkeypatch, root: Path) -> None:
+    assert lightning_zero
+    monkeypatch.setenv("LIGHTNING_ZERO_HOST_ROOT", str(root))
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=ZeroStrategy(stage=2, offload_optimizer="cpu"),
+                         max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False)
+    trainer.fit(_Tiny(), DataLoader(TensorDataset(torch.randn(8, 64)), batch_size=4))
+
+
+def test_offload_is_refused_before_allocating_when_the_host_cannot_give_it(tmp_path, monkeypatch):
+    # 17k parameters offloaded: 16 bytes each (master, gradient, two moments) = 0.26 MB; the job has 0.1 MB left
+    root = fake_host(tmp_path, 100 * G, "0::/\n", {"sys/fs/cgroup/memory.max": str(G),
+                                                   "sys/fs/cgroup/memory.current": str(G - 100_000)})
+    with pytest.raises(HostMemoryError, match=r"needs 0\.0 GiB of host memory per rank.*cgroup limit 1\.0 GiB"):
+        _fit(monkeypatch, root)
+    roomy = fake_host(tmp_path / "roomy", 100 * G, "0::/\n", {"sys/fs/cgroup/memory.max": str(G),
+                                                              "sys/fs/cgroup/memory.current": "0"})
+    _fit(monkeypatch, roomy)  # the same run with room trains
+
+
+def test_partial_offload_fraction_is_found_to_the_percent():
+    hw = Hardware(gpu_bytes=int(80 * GiB), host_bytes=int(500 * GiB))
+    n = 7_000_000_000
+    row = recommend_partial(n, hw, stage=2, activations=int(10 * GiB))
+    fraction = row.config.offload_fraction
+    assert row.fits and round(fraction * 100) == fraction * 100
+    below = estimate(n, row.config.replace(offload_fraction=fraction - 0.01), hw, activations=int(10 * GiB))
+    assert not below.fits  # one percent less does not fit: the smallest fraction
+    assert fraction % 0.05 > 1e-9  # a multiple of 5% would have been the old 5% grid
+
+
+def test_zero_auto_names_its_choice_and_the_runner_up():
+    hw = Hardware(gpu_bytes=int(139 * GiB), host_bytes=int(125 * GiB))
+    chosen = choose(13_000_000_000, hw, lightning_zero.ZeroConfig(auto_placement=True), activations=int(4 * GiB),
+                    tokens_per_step=8 * 2048)
+    assert chosen.runner_up is not None and chosen.runner_up.name != chosen.name
+    assert "runner-up" in chosen.why and chosen.runner_up.name in chosen.why and "s a step" in chosen.why
