@@ -17,8 +17,9 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from .engine.optim import UnsupportedOptimizerError
     from .engine.state import CheckpointMismatchError
     from .engine.swap import NvmePathError
+    from .host_memory import HostMemoryError
     from .precision.loss_scaler import LossScaleAtMinimumError
 
     return (ZeroConfigError, DeepSpeedConfigError, UnsupportedScheduleError, CheckpointPathError,
             CheckpointMismatchError, NvmePathError, UnsupportedOptimizerError, LossScaleAtMinimumError,
-            MissingRanksError, ShardedStateDictError)
+            MissingRanksError, ShardedStateDictError, HostMemoryError)
