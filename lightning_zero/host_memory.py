@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-__all__ = ["HostBudget", "read_host_budget", "HostMemoryError", "shortfall", "MARGIN", "GiB"]
+__all__ = ["HostBudget", "read_host_budget", "HostMemoryError", "shortfall", "MARGIN", "GiB", "host_threads"]
 
 GiB = float(2**30)
 _NO_LIMIT = 1 << 60  # cgroup v1 writes "no limit" as a huge page-rounded number
@@ -152,3 +152,13 @@ def shortfall(needed: int, budget: HostBudget, what: str) -> Optional[str]:
             f"give {budget.describe()}. Ways out: a smaller offload_fraction (the rest stays on the GPU), "
             f"offload_optimizer='nvme' with nvme_path=DIR, fewer ranks per node or more nodes, or a larger memory "
             f"limit for the job.")
+
+
+def host_threads(cores: int, ranks_on_node: int, current: int, user_set: bool) -> Optional[int]:
+    """The intra-op threads one rank's host optimizer step should use: its share of the node's cores (the host
+    step is bound by memory bandwidth, and ranks that each start one thread per core of the node oversubscribe
+    it). None: leave torch's setting (the user chose one, or it is already no more than the share)."""
+    share = max(1, cores // max(1, ranks_on_node))
+    if user_set or current <= share:
+        return None
+    return share

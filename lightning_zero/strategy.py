@@ -197,6 +197,19 @@ class ZeroStrategy(ParallelStrategy):
             self._undo_hold = lightning_loop.hold_schedulers_on_skip(trainer, self.lightning_module,
                                                                      self.precision_plugin.step_applied)
 
+    def _place_host_threads(self) -> None:
+        """Offload: each rank's host step takes its share of the node's cores (OMP_NUM_THREADS wins)."""
+        import os
+
+        from .host_memory import host_threads
+
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        threads = host_threads(cores, self.num_processes, torch.get_num_threads(), "OMP_NUM_THREADS" in os.environ)
+        if threads is not None:
+            torch.set_num_threads(threads)
+            rank_zero_info(f"lightning_zero: the host step uses {threads} threads per rank ({cores} cores, "
+                           f"{self.num_processes} ranks on the node; OMP_NUM_THREADS overrides)")
+
     def _check_host_memory(self, trainer: Any) -> None:
         """Offload: the host memory the plan needs must be there (MemAvailable, the cgroup limit, the node's other
         ranks) before anything is allocated: one error on every rank instead of the kernel's OOM kill."""
@@ -227,6 +240,7 @@ class ZeroStrategy(ParallelStrategy):
                                                       self.precision_plugin.scaler is not None)
                        if fitting else "not fitting")
             rank_zero_info(engine.overlap_step(optimizers[0] if blocker is None else None, blocker))
+            self._place_host_threads()
         if self.config.shard_params:
             install_summary(trainer)
 

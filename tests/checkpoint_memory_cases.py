@@ -79,6 +79,13 @@ class _SaveDuringTraining(Callback):
         self.growth = probe.stop()
 
 
+class _ReadsCheckpoint(Callback):
+    """A hook that sees the checkpoint dict: the strategy then builds its DTensors (a host copy of the share)."""
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint):
+        assert checkpoint["state_dict"]
+
+
 class _StopProbeAtTrainStart(Callback):
     def __init__(self, probe: PeakRSS) -> None:
         self.probe = probe
@@ -118,4 +125,10 @@ def memory_case(rank: int, world: int, d: str) -> dict:
             out[(stage, fmt)] = {"save": save.growth, "restore": stop.growth}
             del trainer, module
             gc.collect()
+    save = _SaveDuringTraining(f"{d}/s3_hook.ckpt")
+    trainer = _trainer(3, "sharded", 1, [save, _ReadsCheckpoint()])
+    trainer.fit(DeepMLP(), _data())
+    out[(3, "sharded, hook reads dict")] = {"save": save.growth, "restore": float("nan")}
+    del trainer
+    gc.collect()
     return out

@@ -1,7 +1,7 @@
 """No rank holds the whole training state to save or to restore a sharded checkpoint.
 
 Measured on 2 CPU ranks (see checkpoint_memory_cases.py): each rank's RSS growth as a share of
-the full training state must stay near 1/N plus a bounded working set (<= 0.65 at N = 2).
+the full training state must stay near 1/N plus a bounded working set (save <= 0.3, restore <= 0.6 at N = 2).
 The one-file format, measured beside it, gathers everything on rank 0 and reads all of it on
 every rank: it is the contrast that shows the measurement can tell the two apart.
 """
@@ -12,7 +12,8 @@ import pytest
 from checkpoint_memory_cases import memory_case
 from dist_utils import run_ranks
 
-BOUND = 0.65
+SAVE_BOUND = 0.3  # in place: the writer's working set only (README: about 0.2)
+RESTORE_BOUND = 0.6  # the rank's new optimizer state (1/N of the moments) plus the reader's working set
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +26,7 @@ def _table(measured) -> str:
     for key in measured[0]:
         save = max(r[key]["save"] for r in measured)
         restore = max(r[key]["restore"] for r in measured)
-        rows.append(f"zero{key[0]} {key[1]:8s} {save:13.2f} {restore:17.2f}")
+        rows.append(f"zero{key[0]} {key[1]:8s} {save:13.2f} {restore:17.2f}")  # nan: not measured
     return "\n".join(rows)
 
 
@@ -34,8 +35,15 @@ def test_sharded_save_and_restore_hold_a_share_of_the_state(measured, stage):
     print(_table(measured))
     for r in measured:
         growth = r[(stage, "sharded")]
-        assert growth["save"] <= BOUND, _table(measured)
-        assert growth["restore"] <= BOUND, _table(measured)
+        assert growth["save"] <= SAVE_BOUND, _table(measured)
+        assert growth["restore"] <= RESTORE_BOUND, _table(measured)
+
+
+def test_dtensors_for_a_hook_cost_about_the_rank_share(measured):
+    # a hook that reads the checkpoint dict gets DTensors: a host copy of this rank's share (1/2 of the state
+    # here) on top of the in-place save's working set, never the whole state
+    worst = max(r[(3, "sharded, hook reads dict")]["save"] for r in measured)
+    assert 0.3 < worst < 1.0, _table(measured)
 
 
 def test_the_measurement_sees_a_full_gather(measured):

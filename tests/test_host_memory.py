@@ -128,3 +128,12 @@ def test_zero_auto_names_its_choice_and_the_runner_up():
                     tokens_per_step=8 * 2048)
     assert chosen.runner_up is not None and chosen.runner_up.name != chosen.name
     assert "runner-up" in chosen.why and chosen.runner_up.name in chosen.why and "s a step" in chosen.why
+
+
+def test_each_rank_takes_its_share_of_the_cores_for_the_host_step():
+    from lightning_zero.host_memory import host_threads
+
+    assert host_threads(cores=16, ranks_on_node=8, current=16, user_set=False) == 2
+    assert host_threads(cores=16, ranks_on_node=1, current=16, user_set=False) is None  # already its share
+    assert host_threads(cores=16, ranks_on_node=8, current=16, user_set=True) is None  # OMP_NUM_THREADS wins
+    assert host_threads(cores=4, ranks_on_node=8, current=4, user_set=False) == 1
