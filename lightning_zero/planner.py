@@ -297,11 +297,13 @@ def host_bytes_per_rank(num_params: int, config: ZeroConfig, world: int, compute
 
 
 def plan_for_run(module: Any, device: Any, gpus_per_node: int, nodes: int, config: ZeroConfig, compute_dtype: Any,
-                 accumulate: int) -> list:
-    """``[config as a dict, why]``: what ``zero_auto`` chooses for this module on this machine."""
+                 accumulate: int, activations: int = 0) -> list:
+    """``[config as a dict, why]``: what ``zero_auto`` chooses for this module on this machine (``activations``:
+    room known to be needed beyond the share kept free, after the first step ran out of memory)."""
     import torch
 
     numel = sum(p.numel() for p in module.parameters())
     choice = choose(numel, hardware_here(device, gpus_per_node, nodes, config), config,
-                    compute_bytes=2 if compute_dtype != torch.float32 else 4, accumulate=accumulate)
+                    compute_bytes=2 if compute_dtype != torch.float32 else 4, accumulate=accumulate,
+                    activations=activations)
     return [choice.config.to_dict(), choice.why]

@@ -35,6 +35,7 @@ from .engine.memory import MemoryReport, memory_report
 from .engine.state import full_model_state, full_optimizer_state
 from .precision.plugin import ZeroPrecision, to_zero_precision
 from .presets import PRESETS
+from .replan import OOM, Replanner
 from .summary import install_summary
 
 __all__ = ["ZeroStrategy"]
@@ -77,6 +78,9 @@ class ZeroStrategy(ParallelStrategy):
         self._final_report: Optional[MemoryReport] = None
         self._failed = False  # an exception ended this rank's run (see teardown)
         self._undo_hold: Optional[Callable[[], None]] = None  # scheduler_on_skip="hold" (see setup)
+        self._auto_config: Optional[ZeroConfig] = None  # zero_auto: the config it plans from (see replan.py)
+        self._replanner = Replanner()
+        self._step_args: Optional[tuple] = None
         self._dumping = False  # inside the trainer's building of a checkpoint dict (see lightning_module_state_dict)
 
     # ---- what Lightning asks of a parallel strategy ---------------------------------------
@@ -248,13 +252,43 @@ class ZeroStrategy(ParallelStrategy):
         """zero_auto: the planner picks stage and offload for these devices and this model (rank 0 decides)."""
         from .planner import plan_for_run
 
+        if self._auto_config is None:
+            self._auto_config = self.config
         config, why = self.comm.broadcast_object(plan_for_run(
-            self.lightning_module, self.root_device, self.num_processes, self.num_nodes, self.config,
-            self.precision_plugin.compute_dtype, int(trainer.accumulate_grad_batches or 1)), src=0)
+            self.lightning_module, self.root_device, self.num_processes, self.num_nodes, self._auto_config,
+            self.precision_plugin.compute_dtype, int(trainer.accumulate_grad_batches or 1),
+            activations=self._replanner.extra), src=0)
         self.config = ZeroConfig.from_dict(config)
         self.precision_plugin.configure(self.config, explicit=False)
         log.info("lightning_zero zero_auto: %s", why)
         rank_zero_only(print)(f"lightning_zero zero_auto: {why}")
+
+    def _may_replan(self) -> bool:
+        return (self._auto_config is not None and self.engine is not None
+                and self._replanner.possible(self.world_size, list(self.optimizers)))
+
+    def _replan(self, error: BaseException) -> None:
+        """Out of GPU memory in the first step under zero_auto: plan again with room for what was asked, build
+        the new placement's engine (see replan.py). Raises ``error`` when no other placement is left."""
+        from .planner import placement_name
+
+        trainer = self.lightning_module.trainer
+        before = placement_name(self.config)
+        extra = self._replanner.grow(error)
+        self._release_engine()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        try:
+            self._plan_placement(trainer)
+        except ValueError as err:
+            raise error from err
+        if placement_name(self.config) == before:
+            raise error
+        self.model_to_device()
+        self._build_engine(trainer, fitting=True)
+        rank_zero_warn(f"lightning_zero zero_auto: out of GPU memory in the first step under {before}; planned again "
+                       f"with {extra / 2**30:.2f} GiB more for activations: {placement_name(self.config)}, and ran "
+                       f"the step again")
 
     def model_to_device(self) -> None:
         assert self.model is not None
@@ -286,6 +320,36 @@ class ZeroStrategy(ParallelStrategy):
         self.engine.end_backward()
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if not self._may_replan():
+            self._step_args = None
+            return self._training_step(*args, **kwargs)
+        self._step_args = (args, kwargs)
+        try:
+            return self._training_step(*args, **kwargs)
+        except OOM as error:
+            while True:  # see replan.py
+                self._replan(error)
+                try:
+                    return self._training_step(*args, **kwargs)
+                except OOM as again:
+                    if not self._may_replan():
+                        raise
+                    error = again
+
+    def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
+        if self._step_args is None or not self._may_replan():
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        try:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        except OOM as error:
+            del closure_loss
+            self._replan(error)  # the forward's graph is gone with the old engine: run the batch again
+            step_args, step_kwargs = self._step_args
+            out = self.training_step(*step_args, **step_kwargs)
+            loss = out["loss"] if isinstance(out, Mapping) else out
+            return super().backward(loss, optimizer, *args, **kwargs)
+
+    def _training_step(self, *args: Any, **kwargs: Any) -> Any:
         self.engine.before_training_forward()
         # stage 3: the root's parameters stay gathered until the backward that follows ends (the loss may use them)
         with self.engine.hold(self.lightning_module, until_backward_end=torch.is_grad_enabled()):

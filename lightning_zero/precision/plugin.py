@@ -114,8 +114,8 @@ class ZeroPrecision(Precision):
 
     def zero_optimizer_step(self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any) -> Any:
         """The whole step for one optimizer (see the module docstring for the order)."""
-        engine = self._require_engine()
         closure_result = closure()
+        engine = self._require_engine()  # after the closure: zero_auto may have re-planned in it (replan.py)
         if closure_result is None and getattr(model, "automatic_optimization", False):  # training_step gave no loss
             engine.finish_grads()
             self._after_closure(model, optimizer)
