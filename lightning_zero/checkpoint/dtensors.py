@@ -20,25 +20,16 @@ from collections.abc import Callable
 from typing import Any, Optional
 
 import torch
-from torch import nn
 
 from ..collectives import Comm
 from ..engine import ZeroEngine
 from ..engine.flat_unit import FlatUnit, UnitState
 from ..engine.guard import allow_state_dict
 from ..engine.optim import unwrap
-from ..engine.state import cpu_copy, is_elementwise
+from ..engine.state import cpu_copy, dtype_named, is_elementwise, keys_of
 from .boxes import chunk_range, transfers
 
-__all__ = ["model_state", "model_state_is_local", "optimizer_state", "piece_values", "keys_of", "gather_state_info"]
-
-
-def keys_of(module: nn.Module) -> dict[int, list[str]]:
-    """id(parameter) -> every state-dict key naming it (tied parameters have several)."""
-    keys: dict[int, list[str]] = {}
-    for name, p in module.named_parameters(remove_duplicate=False):
-        keys.setdefault(id(p), []).append(name)
-    return keys
+__all__ = ["model_state", "model_state_is_local", "optimizer_state", "piece_values", "gather_state_info"]
 
 
 def piece_values(unit: FlatUnit, slot: int) -> Optional[torch.Tensor]:
@@ -172,10 +163,6 @@ def gather_state_info(engine: ZeroEngine, optimizer: Any) -> tuple[dict[str, dic
     return elementwise, scalars
 
 
-def dtype_of(name: str) -> torch.dtype:
-    return getattr(torch, name.split(".")[-1])
-
-
 def param_groups(engine: ZeroEngine, optimizer: Any) -> list[dict[str, Any]]:
     """``param_groups`` with each group's parameters by name (as ``get_optimizer_state_dict`` gives them)."""
     return [{**{k: v for k, v in g.items() if k != "params"}, "params": [engine.names[id(p)] for p in g["params"]]}
@@ -196,7 +183,7 @@ def optimizer_state(engine: ZeroEngine, optimizer: Any,
     for unit, slots in by_unit.values():
         keys = sorted({(k, d) for s in slots for k, d in elementwise.get(unit.names[s], {}).items()})
         for key, dtype_name in keys:
-            dtype = dtype_of(dtype_name)
+            dtype = dtype_named(dtype_name)
             having = [s for s in slots if key in elementwise.get(unit.names[s], {})]
 
             def values(slot: int, unit: FlatUnit = unit, key: str = key, dtype: torch.dtype = dtype

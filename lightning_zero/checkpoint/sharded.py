@@ -35,9 +35,9 @@ from ..collectives import Comm
 from ..engine import ZeroEngine
 from ..engine.guard import allow_state_dict
 from ..engine.optim import unwrap
-from ..engine.state import check_keys, cpu_copy
+from ..engine.state import check_keys, cpu_copy, keys_of
 from . import checksums
-from .dtensors import keys_of, optimizer_state, piece_values
+from .dtensors import optimizer_state, piece_values
 from .files import DCP_METADATA, META_FILE, CheckpointPathError, check_complete, commit, partial_path, prepare_partial
 from .pieces import PieceTensor
 

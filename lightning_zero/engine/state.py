@@ -22,13 +22,13 @@ from .flat_unit import FlatUnit, UnitState
 from .guard import allow_state_dict
 from .optim import unwrap
 
-__all__ = ["CheckpointMismatchError", "check_keys", "full_model_state", "load_model_state", "set_unit_values", "full_optimizer_state", "load_optimizer_state", "FORMAT"]
+__all__ = ["CheckpointMismatchError", "check_keys", "keys_of", "dtype_named", "full_model_state", "load_model_state", "set_unit_values", "full_optimizer_state", "load_optimizer_state", "FORMAT"]
 
 FORMAT = "lightning_zero.optimizer.v2"
 _SCALAR_KEYS = ("step",)  # per-parameter counters: never sliced
 
 
-def _keys_of(module: nn.Module) -> dict[int, list[str]]:
+def keys_of(module: nn.Module) -> dict[int, list[str]]:
     """id(parameter) -> every state-dict key naming it (tied parameters have several)."""
     keys: dict[int, list[str]] = {}
     for name, p in module.named_parameters(remove_duplicate=False):
@@ -44,7 +44,7 @@ def full_model_state(engine: ZeroEngine, keep: bool = True) -> dict[str, torch.T
     (the others return an empty dict), so a large model is not copied into every rank's RAM.
     """
     module = engine.module
-    keys = _keys_of(module)
+    keys = keys_of(module)
     managed = {id(p) for u in engine.units for p in u.params}
     with allow_state_dict():
         plain = module.state_dict(keep_vars=True)
@@ -65,7 +65,7 @@ def full_model_state(engine: ZeroEngine, keep: bool = True) -> dict[str, torch.T
 def load_model_state(engine: ZeroEngine, state: dict[str, torch.Tensor], strict: bool = True) -> None:
     """Write a full state dict (any world size wrote it) into masters, shards and buffers."""
     module = engine.module
-    keys = _keys_of(module)
+    keys = keys_of(module)
     expected = {k for ks in keys.values() for k in ks} | {k for k, _ in module.named_buffers()}
     with allow_state_dict():
         expected |= set(module.state_dict(keep_vars=True).keys())
@@ -178,7 +178,7 @@ def _gather_elementwise(engine: ZeroEngine, optimizer: torch.optim.Optimizer, un
     """All-gather one unit's elementwise state (exp_avg, ...), one key at a time."""
     keys = sorted({(k, v) for i in indices for k, v in merged.get(i, {}).items() if isinstance(v, str)})
     for key, dtype_name in keys:
-        shard = torch.zeros(unit.layout.shard_numel, dtype=getattr(torch, dtype_name.split(".")[-1]),
+        shard = torch.zeros(unit.layout.shard_numel, dtype=dtype_named(dtype_name),
                             device=engine.device)
         for index in indices:
             slot = slots[index][1]
@@ -193,6 +193,11 @@ def _gather_elementwise(engine: ZeroEngine, optimizer: torch.optim.Optimizer, un
             for index in indices:
                 if key in merged.get(index, {}):
                     state[index][key] = views[slots[index][1]].cpu().clone()
+
+
+def dtype_named(name: str) -> torch.dtype:
+    """The dtype a saved name such as "torch.float32" stands for."""
+    return getattr(torch, name.split(".")[-1])
 
 
 def cpu_copy(value: Any) -> Any:
