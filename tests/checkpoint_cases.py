@@ -19,6 +19,7 @@ import lightning.pytorch as pl
 import torch
 from dist_utils import full_state
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.strategies import DDPStrategy
 from lightning_cases import TinyLM
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -61,10 +62,11 @@ def dummy_loader() -> DataLoader:
 
 
 def make_strategy(name: str, **options):
+    backend = options.pop("process_group_backend", None)
     if name.startswith("ddp"):
-        return name
+        return DDPStrategy(process_group_backend=backend) if backend else name
     return ZeroStrategy(config=ZeroConfig(stage=int(name[-1]), reduce_bucket_size=options.pop("bucket", 500),
-                                          **options))
+                                          **options), process_group_backend=backend)
 
 
 class _StateAtEnd(Callback):
@@ -96,7 +98,10 @@ def fit_steps(world: int, strategy: str, steps: int, ckpt_in: str | None = None,
     module.inject_inf_at = set(inject)
     module.fused = fused
     end = _StateAtEnd(save_to)
-    trainer = pl.Trainer(accelerator=accelerator, devices=world // nodes, num_nodes=nodes, strategy=make_strategy(strategy, **(options or {})),
+    options = dict(options or {})
+    if accelerator == "gpu" and nodes > 1:  # every rank on the one GPU: NCCL refuses that, gloo carries CUDA tensors
+        options["process_group_backend"] = "gloo"
+    trainer = pl.Trainer(accelerator=accelerator, devices=world // nodes, num_nodes=nodes, strategy=make_strategy(strategy, **options),
                          precision=None if plugin else "32-true", plugins=[ZeroPrecision(plugin)] if plugin else None,
                          max_steps=steps, logger=False, enable_checkpointing=bool(callbacks),
                          callbacks=[end, *(callbacks or [])], enable_progress_bar=False, enable_model_summary=False,

@@ -119,7 +119,8 @@ def dtensor_case(rank: int, world: int, d: str, stage: str, accelerator: str = "
     module = StepLM()
     inspect = _InspectState(f"{d}/{stage}_inspect.ckpt")
     trainer = pl.Trainer(accelerator=accelerator, devices=world // nodes, num_nodes=nodes,
-                         strategy=ZeroStrategy(stage=int(stage[-1])),
+                         strategy=ZeroStrategy(stage=int(stage[-1]),
+                                               process_group_backend="gloo" if nodes > 1 else None),
                          precision="32-true", max_steps=3, logger=False, enable_checkpointing=False,
                          callbacks=[inspect], enable_progress_bar=False, enable_model_summary=False,
                          num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False)

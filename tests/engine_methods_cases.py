@@ -35,6 +35,7 @@ def _batch(i: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def methods_case(rank: int, world: int, stage: int, tmp: str) -> dict:
+    """On the GPU machine every rank's engine is on cuda:0 (the ranks share it over gloo)."""
     torch.manual_seed(0)
     model = Net()
     reference = Net()
@@ -60,7 +61,7 @@ def methods_case(rank: int, world: int, stage: int, tmp: str) -> dict:
         for micro in range(2):
             i = 2 * step + micro
             boundaries.append(engine.is_gradient_accumulation_boundary())
-            x, y = _batch(i, rank)
+            x, y = (t.to(engine.device) for t in _batch(i, rank))  # as a DeepSpeed script moves its batch
             loss = (engine(x) - y).pow(2).mean()
             returned = engine.backward(loss)
             out.setdefault("backward_returns_loss", returned is loss)
@@ -77,13 +78,13 @@ def methods_case(rank: int, world: int, stage: int, tmp: str) -> dict:
                skipped=engine.skipped_steps, lr=engine.get_lr())
     state = engine.full_state_dict()
     if rank == 0:
-        out["max_err"] = max(float((state[k] - v).abs().max()) for k, v in reference.state_dict().items())
+        out["max_err"] = max(float((state[k].cpu() - v).abs().max()) for k, v in reference.state_dict().items())
     # grads are gone after the step (DeepSpeed's step clears them); zero_grad is harmless
     engine.zero_grad()
     out["grads_after_step"] = [p.grad is not None and bool(p.grad.abs().sum() > 0) for p in model.parameters()]
     # no_sync: a backward inside accumulates locally; the next boundary reduces the sum
     with engine.no_sync():
-        x, y = _batch(9, rank)
+        x, y = (t.to(engine.device) for t in _batch(9, rank))
         engine.backward((engine(x) - y).pow(2).mean())
     out["no_sync_ok"] = True
     engine.zero_grad()
@@ -92,7 +93,7 @@ def methods_case(rank: int, world: int, stage: int, tmp: str) -> dict:
     if rank == 0:
         saved = torch.load(Path(tmp) / "model16.bin")
         out["saved_16bit"] = sorted(saved) == sorted(reference.state_dict()) and all(
-            torch.equal(saved[k], state[k]) for k in saved)
+            torch.equal(saved[k].cpu(), state[k].cpu()) for k in saved)
     # load_checkpoint: no 'latest' -> (None, None) with a warning, as DeepSpeed; a missing tag is an error
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -127,7 +128,7 @@ def zero_init_case(rank: int, world: int, stage: int) -> dict:
         out["meta_gather"] = str(err)
     engine, _, _, _ = lightning_zero.initialize(model=lazy, config=_config(stage))
     state = engine.full_state_dict(rank0_only=False)
-    out["max_err"] = max(float((state[k] - v).abs().max()) for k, v in normal.state_dict().items())
+    out["max_err"] = max(float((state[k].cpu() - v).abs().max()) for k, v in normal.state_dict().items())
     out["held"] = sum(u.master.numel() for u in engine.zero.units)
     out["total"] = sum(p.numel() for p in normal.parameters())
     out["meta_left"] = any(p.is_meta for p in lazy.parameters())
@@ -141,7 +142,7 @@ def gathered_case(rank: int, world: int, stage: int) -> dict:
     full = engine.full_state_dict(rank0_only=False)
     out = {}
     with zero.GatheredParameters([model.a.weight, model.b.bias]):
-        out["read"] = bool(torch.equal(model.a.weight.detach().cpu(), full["a.weight"])) and tuple(
+        out["read"] = bool(torch.equal(model.a.weight.detach().cpu(), full["a.weight"].cpu())) and tuple(
             model.a.weight.shape) == (32, 10)
         model.b.bias.data.fill_(123.0)  # no modifier_rank: discarded
     out["discarded"] = bool(torch.equal(engine.full_state_dict(rank0_only=False)["b.bias"], full["b.bias"]))
@@ -156,7 +157,7 @@ def gathered_case(rank: int, world: int, stage: int) -> dict:
     engine.eval()
     with torch.no_grad():
         x = torch.zeros(2, 10)
-        y = engine(x)
+        y = engine(x.to(engine.device)).cpu()
     reference = Net()
     reference.load_state_dict(after)
     out["forward_err"] = float((y - reference(x)).abs().max())
