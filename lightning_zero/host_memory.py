@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-__all__ = ["HostBudget", "read_host_budget", "HostMemoryError", "shortfall", "MARGIN", "GiB", "host_threads"]
+__all__ = ["HostBudget", "read_host_budget", "HostMemoryError", "shortfall", "MARGIN", "GiB", "host_threads",
+           "HEADROOM_SHARE", "HEADROOM_MIN", "first_step_shortfall"]
 
 GiB = float(2**30)
 _NO_LIMIT = 1 << 60  # cgroup v1 writes "no limit" as a huge page-rounded number
@@ -37,6 +38,11 @@ class HostBudget:
     cgroup_free: Optional[int]  # limit - usage of the tightest cgroup, None without a limit
     cgroup_limit: Optional[int]
     source: str  # "MemAvailable" or the cgroup file that bounds it
+    headroom: int = 0  # of node_free, kept for the OS, the page cache and the job's small allocations (node-wide)
+
+    @property
+    def headroom_per_rank(self) -> int:
+        return self.headroom // self.ranks_on_node
 
     def describe(self) -> str:
         limit = (f", cgroup limit {self.cgroup_limit / GiB:.1f} GiB with {self.cgroup_free / GiB:.1f} GiB free"
@@ -60,15 +66,25 @@ def _read_int(path: Path) -> Optional[int]:
     return None if value >= _NO_LIMIT else value
 
 
-def mem_available(root: Path) -> int:
-    """``MemAvailable`` of ``/proc/meminfo`` (free memory plus what the kernel can reclaim), bytes."""
+def _meminfo(root: Path, key: str) -> Optional[int]:
     try:
         for line in (root / "proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
+            if line.startswith(key + ":"):
                 return int(line.split()[1]) * 1024
-    except OSError:
+    except (OSError, ValueError, IndexError):
         pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    return None
+
+
+def mem_available(root: Path) -> int:
+    """``MemAvailable`` of ``/proc/meminfo`` (free memory plus what the kernel can reclaim), bytes."""
+    found = _meminfo(root, "MemAvailable")
+    return found if found is not None else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def mem_total(root: Path) -> int:
+    found = _meminfo(root, "MemTotal")
+    return found if found is not None else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def _cgroup_dirs(root: Path) -> list[tuple[Path, str, str, str]]:
@@ -133,25 +149,45 @@ def read_host_budget(ranks_on_node: int = 1, root: Any = None) -> HostBudget:
     root = Path(root if root is not None else os.environ.get("LIGHTNING_ZERO_HOST_ROOT", "/"))
     available = mem_available(root)
     free, limit, source = cgroup_free(root)
-    node_free, bound = available, "MemAvailable (/proc/meminfo)"
+    node_free, bound, total = available, "MemAvailable (/proc/meminfo)", mem_total(root)
     if free is not None and free < available:
-        node_free, bound = free, f"the cgroup limit (/{source})"
+        node_free, bound, total = free, f"the cgroup limit (/{source})", limit
     ranks = max(1, int(ranks_on_node))
     return HostBudget(per_rank=node_free // ranks, node_free=node_free, ranks_on_node=ranks,
-                      mem_available=available, cgroup_free=free, cgroup_limit=limit, source=bound)
+                      mem_available=available, cgroup_free=free, cgroup_limit=limit, source=bound,
+                      headroom=int(max(HEADROOM_MIN, HEADROOM_SHARE * (total or 0))))
 
 
 MARGIN = 0.05  # measured host use above the plan: 112.0 GiB RSS against 108.3 planned (13B, zero3 offload 55%)
+# Never plan the last bytes: the kernel kills the job (no message) before MemAvailable reaches 0, and the
+# interpreter, the CUDA context, a dataloader worker, the page cache of a checkpoint all want some.
+HEADROOM_SHARE = 0.03  # of the memory that bounds the budget (the cgroup limit, else MemTotal)
+HEADROOM_MIN = 256 * 2**20
+_WAYS_OUT = ("Ways out: a smaller offload_fraction (the rest stays on the GPU), offload_optimizer='nvme' with "
+             "nvme_path=DIR, fewer ranks per node or more nodes, or a larger memory limit for the job.")
 
 
 def shortfall(needed: int, budget: HostBudget, what: str) -> Optional[str]:
-    """None when ``needed`` bytes (plus the margin) fit this rank's budget, else the one-line refusal."""
-    if needed * (1 + MARGIN) <= budget.per_rank:
+    """None when ``needed`` bytes (plus the margin) fit this rank's budget less its share of the headroom, else
+    the one-line refusal."""
+    if needed * (1 + MARGIN) + budget.headroom_per_rank <= budget.per_rank:
         return None
-    return (f"{what} needs {needed / GiB:.1f} GiB of host memory per rank (+{MARGIN:.0%} margin) and the host can "
-            f"give {budget.describe()}. Ways out: a smaller offload_fraction (the rest stays on the GPU), "
-            f"offload_optimizer='nvme' with nvme_path=DIR, fewer ranks per node or more nodes, or a larger memory "
-            f"limit for the job.")
+    return (f"{what} needs {needed / GiB:.1f} GiB of host memory per rank (+{MARGIN:.0%} margin, and "
+            f"{budget.headroom_per_rank / GiB:.2f} GiB left to the system) and the host can give "
+            f"{budget.describe()}. {_WAYS_OUT}")
+
+
+def first_step_shortfall(pending: int, budget: HostBudget) -> Optional[str]:
+    """Checked again just before the first step: what the step still allocates (``pending`` bytes, the optimizer
+    state torch creates lazily) against what the host can give now; dataloader workers or other processes may
+    have taken memory since setup. None when it fits, else the one-line refusal."""
+    if pending + budget.headroom_per_rank <= budget.per_rank:
+        return None
+    return (f"lightning_zero: the first optimizer step would allocate {pending / GiB:.2f} GiB of host memory per "
+            f"rank (the optimizer state of the offloaded units, planned at setup) and the host can now give "
+            f"{budget.describe()}, {budget.headroom_per_rank / GiB:.2f} GiB of it left to the system: memory was "
+            f"taken since setup (dataloader workers: fewer num_workers; other processes on the node). Stopping "
+            f"here instead of being killed by the kernel mid-step. {_WAYS_OUT}")
 
 
 def host_threads(cores: int, ranks_on_node: int, current: int, user_set: bool) -> Optional[int]:

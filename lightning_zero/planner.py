@@ -280,7 +280,8 @@ def hardware_here(device: object, gpus_per_node: int, nodes: int, config: ZeroCo
     from .host_memory import read_host_budget
 
     gpu = gpu_budget(device) if getattr(device, "type", "") == "cuda" else 0
-    host = read_host_budget(gpus_per_node).node_free
+    budget = read_host_budget(gpus_per_node)
+    host = max(0, budget.node_free - budget.headroom)  # the last bytes stay with the system (host_memory)
     path = config.nvme_path or os.environ.get("LIGHTNING_ZERO_NVME_PATH")
     nvme = shutil.disk_usage(path).free if path and os.path.isdir(path) else 0
     if not gpu:  # CPU training: "device" memory is the host's, shared by the ranks of the node

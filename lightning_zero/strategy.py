@@ -77,6 +77,7 @@ class ZeroStrategy(ParallelStrategy):
         self._parked: Optional[ZeroEngine] = None  # stages 1/2: the last fit's shards, for saving after fit returns
         self._final_report: Optional[MemoryReport] = None
         self._failed = False  # an exception ended this rank's run (see teardown)
+        self._host_recheck = False  # offload: check the host budget again before the first step
         self._undo_hold: Optional[Callable[[], None]] = None  # scheduler_on_skip="hold" (see setup)
         self._auto_config: Optional[ZeroConfig] = None  # zero_auto: the config it plans from (see replan.py)
         self._replanner = Replanner()
@@ -229,10 +230,22 @@ class ZeroStrategy(ParallelStrategy):
         if problem:
             raise HostMemoryError(problem)
 
+    def _recheck_host_memory(self) -> None:
+        """Before the first step: the optimizer state it will create on the host must still fit (dataloader
+        workers and other processes start after setup); one error on every rank instead of an OOM kill."""
+        from .host_memory import HostMemoryError, first_step_shortfall, read_host_budget
+
+        pending = self.engine.offloader.pending_host_bytes(self.optimizers) if self.engine is not None else 0
+        problem = first_step_shortfall(pending, read_host_budget(self.num_processes)) if pending else None
+        problem = next((p for p in self.comm.all_gather_object(problem) if p), None)
+        if problem:
+            raise HostMemoryError(problem)
+
     def _build_engine(self, trainer: Any, fitting: bool) -> None:
         optimizers = list(self.optimizers) if fitting else []
         if self.config.offloads and fitting:
             self._check_host_memory(trainer)
+        self._host_recheck = bool(self.config.offloads and fitting)
         self.engine = engine = ZeroEngine(
             self.lightning_module, optimizers, self.config, self.comm, self.root_device,
             self.precision_plugin.compute_dtype, init_rng=self._init_rng,
@@ -320,6 +333,9 @@ class ZeroStrategy(ParallelStrategy):
         self.engine.end_backward()
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._host_recheck:
+            self._host_recheck = False
+            self._recheck_host_memory()
         if not self._may_replan():
             self._step_args = None
             return self._training_step(*args, **kwargs)

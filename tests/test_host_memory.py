@@ -16,7 +16,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_zero
 from lightning_zero import ZeroStrategy
-from lightning_zero.host_memory import MARGIN, HostMemoryError, read_host_budget, shortfall
+from lightning_zero.host_memory import (HEADROOM_MIN, MARGIN, HostMemoryError, first_step_shortfall, read_host_budget,
+                                        shortfall)
 from lightning_zero.planner import GiB, Hardware, choose, estimate, recommend_partial
 
 G = 2**30
@@ -79,61 +80,113 @@ def test_the_refusal_names_bytes_budget_and_ways_out(tmp_path):
     assert "\n" not in message
 
 
+def test_the_last_bytes_are_never_planned(tmp_path):
+    # 3% of what bounds the budget (the cgroup limit here, else MemTotal) stays with the system, at least 256 MiB
+    root = fake_host(tmp_path, 100 * G, "0::/\n", {"sys/fs/cgroup/memory.max": str(40 * G),
+                                                   "sys/fs/cgroup/memory.current": "0"})
+    budget = read_host_budget(2, root=root)
+    assert budget.headroom == int(0.03 * 40 * G) and budget.headroom_per_rank == budget.headroom // 2
+    fits = int((budget.per_rank - budget.headroom_per_rank) / (1 + MARGIN))
+    assert shortfall(fits, budget, "x") is None and shortfall(fits + 2**20, budget, "x") is not None
+    small = fake_host(tmp_path / "small", 100 * G, "0::/\n", {"sys/fs/cgroup/memory.max": str(G),
+                                                              "sys/fs/cgroup/memory.current": "0"})
+    assert read_host_budget(1, root=small).headroom == HEADROOM_MIN
+
+
 class _Tiny(pl.LightningModule):
-    def __init__(self) -> None:
+    def __init__(self, optimizer: str = "adamw") -> None:
         super().__init__()
         self.net = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 1))
+        self.optimizer = optimizer
 
     def training_step(self, batch, batch_idx):
         return self.net(batch[0]).pow(2).mean()
 
     def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+        if self.optimizer == "sgd":
+            return torch.optim.SGD(self.parameters(), lr=1e-3, momentum=0.9)
+        return torch.optim.AdamW(self.parameters(), lr=1e-3, amsgrad=self.optimizer == "amsgrad")
 
 
-def _fit(monkeypatch, root: Path) -> None:
+def _fit(monkeypatch, root: Path, callbacks=(), module: pl.LightningModule | None = None, **options) -> pl.Trainer:
     assert lightning_zero
     monkeypatch.setenv("LIGHTNING_ZERO_HOST_ROOT", str(root))
-    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=ZeroStrategy(stage=2, offload_optimizer="cpu"),
+    trainer = pl.Trainer(accelerator="cpu", devices=1,
+                         strategy=ZeroStrategy(stage=2, offload_optimizer="cpu", **options),
                          max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False)
-    trainer.fit(_Tiny(), DataLoader(TensorDataset(torch.randn(8, 64)), batch_size=4))
+                         enable_model_summary=False, callbacks=list(callbacks))
+    trainer.fit(module or _Tiny(), DataLoader(TensorDataset(torch.randn(8, 64)), batch_size=4))
+    return trainer
 
 
-def test_offload_is_refused_before_allocating_when_the_host_cannot_give_it(tmp_path, monkeypatch):
-    # 17k parameters offloaded: 16 bytes each (master, gradient, two moments) = 0.26 MB; the job has 0.1 MB left
-    root = fake_host(tmp_path, 100 * G, "0::/\n", {"sys/fs/cgroup/memory.max": str(G),
-                                                   "sys/fs/cgroup/memory.current": str(G - 100_000)})
-    with pytest.raises(HostMemoryError, match=r"needs 0\.0 GiB of host memory per rank.*cgroup limit 1\.0 GiB"):
-        _fit(monkeypatch, root)
-    roomy = fake_host(tmp_path / "roomy", 100 * G, "0::/\n", {"sys/fs/cgroup/memory.max": str(G),
-                                                              "sys/fs/cgroup/memory.current": "0"})
-    _fit(monkeypatch, roomy)  # the same run with room trains
+class _TakeMemoryAfterSetup(pl.Callback):
+    """What dataloader workers or another process do between setup and the first step: the job's cgroup fills."""
+
+    def __init__(self, usage_file: Path, usage: int) -> None:
+        self.usage_file, self.usage = usage_file, usage
+        self.pending: list[int] = []
+
+    def on_train_start(self, trainer, pl_module):
+        self.pending.append(trainer.strategy.engine.offloader.pending_host_bytes(trainer.optimizers))
+        self.usage_file.write_text(str(self.usage))
+
+    def on_train_end(self, trainer, pl_module):
+        self.engine = trainer.strategy.engine  # (released after fit)
 
 
-def test_partial_offload_fraction_is_found_to_the_percent():
-    hw = Hardware(gpu_bytes=int(80 * GiB), host_bytes=int(500 * GiB))
-    n = 7_000_000_000
-    row = recommend_partial(n, hw, stage=2, activations=int(10 * GiB))
-    fraction = row.config.offload_fraction
-    assert row.fits and round(fraction * 100) == fraction * 100
-    below = estimate(n, row.config.replace(offload_fraction=fraction - 0.01), hw, activations=int(10 * GiB))
-    assert not below.fits  # one percent less does not fit: the smallest fraction
-    assert fraction % 0.05 > 1e-9  # a multiple of 5% would have been the old 5% grid
+def test_the_first_step_checks_again_what_it_will_allocate(tmp_path, monkeypatch):
+    usage = tmp_path / "sys/fs/cgroup/memory.current"
+    root = fake_host(tmp_path, 100 * G, "0::/\n", {"sys/fs/cgroup/memory.max": str(2 * G),
+                                                   "sys/fs/cgroup/memory.current": "0"})
+    numel = sum(p.numel() for p in _Tiny().parameters())
+    # the room left after setup is 64 KiB short of the headroom plus the AdamW moments the first step creates
+    taken = _TakeMemoryAfterSetup(usage, 2 * G - HEADROOM_MIN - 8 * numel + 65536)
+    with pytest.raises(HostMemoryError, match=r"first optimizer step would allocate 0\.00 GiB.*taken since setup"):
+        _fit(monkeypatch, root, [taken])
+    assert taken.pending == [8 * numel]  # exp_avg and exp_avg_sq, fp32, every offloaded element
+    usage.write_text("0")
+    enough = _TakeMemoryAfterSetup(usage, 2 * G - HEADROOM_MIN - 8 * numel - 65536)
+    _fit(monkeypatch, root, [enough])  # 64 KiB more room: it trains
 
 
-def test_zero_auto_names_its_choice_and_the_runner_up():
-    hw = Hardware(gpu_bytes=int(139 * GiB), host_bytes=int(125 * GiB))
-    chosen = choose(13_000_000_000, hw, lightning_zero.ZeroConfig(auto_placement=True), activations=int(4 * GiB),
-                    tokens_per_step=8 * 2048)
-    assert chosen.runner_up is not None and chosen.runner_up.name != chosen.name
-    assert "runner-up" in chosen.why and chosen.runner_up.name in chosen.why and "s a step" in chosen.why
+@pytest.mark.parametrize("optimizer,per_elem", [("adamw", 8), ("amsgrad", 12), ("sgd", 4)])
+def test_pending_host_bytes_is_the_state_the_first_step_creates(tmp_path, monkeypatch, optimizer, per_elem):
+    root = fake_host(tmp_path, 100 * G)
+    probe = _TakeMemoryAfterSetup(tmp_path / "unused", 0)
+    trainer = _fit(monkeypatch, root, [probe], _Tiny(optimizer), offload_fraction=0.5, reduce_bucket_size=5000)
+    engine = probe.engine
+    offloader = engine.offloader
+    assert 0 < offloader.offloaded_numel < sum(p.numel() for p in trainer.lightning_module.parameters())
+    # what the optimizer really created next to the offloaded pieces (their elements, not the units' padding):
+    # the bytes predicted before the first step; nothing is pending now
+    pieces = [engine.piece_of(p) for unit in offloader.units for p in unit.params]
+    state = trainer.optimizers[0].state
+    created = sum(v.numel() * v.element_size() for piece in pieces for k, v in state[piece].items()
+                  if k != "step" and torch.is_tensor(v))
+    assert probe.pending == [created] == [per_elem * sum(piece.numel() for piece in pieces)]
+    assert offloader.pending_host_bytes(trainer.optimizers) == 0
 
 
-def test_each_rank_takes_its_share_of_the_cores_for_the_host_step():
-    from lightning_zero.host_memory import host_threads
+def _two_ranks_first_step(rank: int, world: int, root: str, usage: int) -> str:
+    import os
 
-    assert host_threads(cores=16, ranks_on_node=8, current=16, user_set=False) == 2
-    assert host_threads(cores=16, ranks_on_node=1, current=16, user_set=False) is None  # already its share
-    assert host_threads(cores=16, ranks_on_node=8, current=16, user_set=True) is None  # OMP_NUM_THREADS wins
-    assert host_threads(cores=4, ranks_on_node=8, current=4, user_set=False) == 1
+    os.environ["LIGHTNING_ZERO_HOST_ROOT"] = root
+    taken = _TakeMemoryAfterSetup(Path(root) / "sys/fs/cgroup/memory.current", usage)
+    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=ZeroStrategy(stage=2, offload_optimizer="cpu"),
+                         max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, callbacks=[taken] if rank == 1 else [])
+    try:
+        trainer.fit(_Tiny(), DataLoader(TensorDataset(torch.randn(8, 64)), batch_size=4))
+    except HostMemoryError as error:
+        return str(error)
+    return "trained"
+
+
+def test_every_rank_stops_when_one_rank_sees_the_host_short(tmp_path):
+    from dist_utils import run_ranks
+
+    root = fake_host(tmp_path, 100 * G, "0::/\n", {"sys/fs/cgroup/memory.max": str(2 * G),
+                                                   "sys/fs/cgroup/memory.current": "0"})
+    # rank 1 fills the job's cgroup after setup and before rank 0 reads it: both ranks stop, neither hangs
+    results = run_ranks(_two_ranks_first_step, 2, str(root), 2 * G - 2**20, lightning=True, timeout=240)
+    assert all("first optimizer step would allocate" in r for r in results), results

@@ -41,7 +41,7 @@ from ..config import ZeroConfig
 from ..partition import plan_offload
 from .flat_unit import FlatUnit
 from .host import HOST_STEP_CHUNK, HostArena, HostBackend
-from .optim import pieces_in_groups
+from .optim import lazy_state_bytes, pieces_in_groups, unwrap
 from .overlap import OverlapWorker
 from .swap import ASSUMED_STATE_KEYS, NvmeBackend, resolve_nvme_dir
 
@@ -86,7 +86,7 @@ class Offloader:
         # added later in that window are added at the same scale; onto a gradient already true, unscaled.
         self._host_scale: dict[int, float] = {}
         self.host_accumulation = config.offload_accumulation == "host"
-        self._adder: Optional[_HostAdder] = None  # created at the first host accumulation
+        self._adder: Optional[_HostAdder] = None  # staging slots: allocated below with the other host buffers
         self._announced: set[int] = set()  # units handed to the overlap this window (once each)
         self.overlap: Optional[OverlapWorker] = None  # set by enable_overlap when the step may start in backward
         self.stepped_in_backward = 0  # units stepped by the overlap worker (diagnostics, tests)
@@ -102,6 +102,9 @@ class Offloader:
                                      params_dtype=compute_dtype if nvme_params else None)
         # where the optimizer side lives and steps (see the backends' common interface in engine.host)
         self.backend: Any = self.store if nvme_masters else HostBackend(self.units, pin)
+        if self.host_accumulation and self.units:  # every host buffer now, while the host budget was just checked
+            self._adder = _HostAdder(max(u.layout.shard_numel for u in self.units), self.grads.pinned,
+                                     self.copy_stream, self.seconds)
         if config.shard_params and config.offload_params == "none":  # stage 3: a device shard to gather from
             for unit in self.units:
                 unit.set_param_shard(torch.empty(unit.layout.shard_numel, dtype=compute_dtype, device=device))
@@ -112,6 +115,27 @@ class Offloader:
     def host_adds(self) -> int:
         """Gradient chunks added on the host so far (``offload_accumulation="host"``)."""
         return self._adder.added if self._adder is not None else 0
+
+    def pending_host_bytes(self, optimizers: Sequence[Any]) -> int:
+        """Host bytes the next step still allocates: the state an optimizer creates lazily at its first step for
+        the offloaded pieces it has none for yet (in host memory; the NVMe backend's buffers exist already)."""
+        if self.store is not None and self.store.masters:
+            return 0
+        total = 0
+        for optimizer in optimizers:
+            inner = unwrap(optimizer)
+            for group in inner.param_groups:
+                per_elem = lazy_state_bytes(inner, group)
+                for p in group["params"]:
+                    try:
+                        if not p.requires_grad or self.unit_of(p).index not in self.indices:
+                            continue
+                        piece = self.piece_of(p)
+                    except KeyError:  # not one of the engine's parameters: stepped where it lives
+                        continue
+                    if piece is not None and not inner.state.get(piece):
+                        total += piece.numel() * per_elem
+        return total
 
     @property
     def offloaded_numel(self) -> int:
@@ -185,10 +209,7 @@ class Offloader:
             self._host_scale[k] = unscale  # the host multiplies once the copy landed (finish_window)
             return self._to_host(unit.grad_shard, chunk)
         alpha = unscale / self._host_scale.get(k, 1.0)
-        if self.host_accumulation:
-            if self._adder is None:
-                self._adder = _HostAdder(max(u.layout.shard_numel for u in self.units), self.grads.pinned,
-                                         self.copy_stream, self.seconds)
+        if self._adder is not None:
             return self._adder.add(unit.grad_shard, chunk, alpha)
         # device accumulation reaching a non-empty host gradient: a late gradient, or one kept since an
         # earlier window (DDP's rule): rare, so plainly synchronous

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 __all__ = ["ELEMENTWISE_OPTIMIZERS", "UnsupportedOptimizerError", "check_optimizer", "Routes", "pieces_in_groups",
-           "unwrap"]
+           "lazy_state_bytes", "unwrap"]
 
 ELEMENTWISE_OPTIMIZERS: tuple[type, ...] = tuple(
     getattr(torch.optim, name) for name in
@@ -156,6 +156,19 @@ def _no_state_dict(self: Any, *args: Any, **kwargs: Any) -> Any:
         "This optimizer is sharded by lightning_zero: its state lives in pieces spread over the ranks. "
         "Save and restore it with trainer.save_checkpoint / trainer.fit(ckpt_path=...), or "
         "strategy.optimizer_state(optimizer) for the full, consolidated state.")
+
+
+def lazy_state_bytes(optimizer: torch.optim.Optimizer, group: dict) -> int:
+    """Bytes per fp32 element of state that ``optimizer`` creates at its first step for a parameter of ``group``
+    (Adagrad creates its state at construction: 0)."""
+    name = type(optimizer).__name__
+    if name == "Adagrad":
+        return 0
+    if name == "SGD":
+        return 4 if group.get("momentum", 0) else 0
+    if name == "RMSprop":
+        return 4 * (1 + bool(group.get("momentum", 0)) + bool(group.get("centered", False)))
+    return 4 * (2 + bool(group.get("amsgrad", False)))  # Adam and its kin: two moments (three with amsgrad)
 
 
 @contextmanager
