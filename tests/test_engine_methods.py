@@ -6,8 +6,8 @@ from __future__ import annotations
 import math
 
 import pytest
-from dist_utils import run_ranks
 import torch
+from dist_utils import run_ranks
 from engine_methods_cases import gathered_case, methods_case, zero_init_case
 
 # as DeepSpeed: the engine takes the accelerator when there is one (the GPU checks run these files there)

@@ -16,8 +16,13 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_zero
 from lightning_zero import ZeroStrategy
-from lightning_zero.host_memory import (HEADROOM_MIN, MARGIN, HostMemoryError, first_step_shortfall, read_host_budget,
-                                        shortfall)
+from lightning_zero.host_memory import (
+    HEADROOM_MIN,
+    MARGIN,
+    HostMemoryError,
+    read_host_budget,
+    shortfall,
+)
 from lightning_zero.planner import GiB, Hardware, choose, estimate, recommend_partial
 
 G = 2**30
@@ -165,6 +170,34 @@ def test_pending_host_bytes_is_the_state_the_first_step_creates(tmp_path, monkey
                   if k != "step" and torch.is_tensor(v))
     assert probe.pending == [created] == [per_elem * sum(piece.numel() for piece in pieces)]
     assert offloader.pending_host_bytes(trainer.optimizers) == 0
+
+
+def test_partial_offload_fraction_is_found_to_the_percent():
+    hw = Hardware(gpu_bytes=int(80 * GiB), host_bytes=int(500 * GiB))
+    n = 7_000_000_000
+    row = recommend_partial(n, hw, stage=2, activations=int(10 * GiB))
+    fraction = row.config.offload_fraction
+    assert row.fits and round(fraction * 100) == fraction * 100
+    below = estimate(n, row.config.replace(offload_fraction=fraction - 0.01), hw, activations=int(10 * GiB))
+    assert not below.fits  # one percent less does not fit: the smallest fraction
+    assert fraction % 0.05 > 1e-9  # a multiple of 5% would have been the old 5% grid
+
+
+def test_zero_auto_names_its_choice_and_the_runner_up():
+    hw = Hardware(gpu_bytes=int(139 * GiB), host_bytes=int(125 * GiB))
+    chosen = choose(13_000_000_000, hw, lightning_zero.ZeroConfig(auto_placement=True), activations=int(4 * GiB),
+                    tokens_per_step=8 * 2048)
+    assert chosen.runner_up is not None and chosen.runner_up.name != chosen.name
+    assert "runner-up" in chosen.why and chosen.runner_up.name in chosen.why and "s a step" in chosen.why
+
+
+def test_each_rank_takes_its_share_of_the_cores_for_the_host_step():
+    from lightning_zero.host_memory import host_threads
+
+    assert host_threads(cores=16, ranks_on_node=8, current=16, user_set=False) == 2
+    assert host_threads(cores=16, ranks_on_node=1, current=16, user_set=False) is None  # already its share
+    assert host_threads(cores=16, ranks_on_node=8, current=16, user_set=True) is None  # OMP_NUM_THREADS wins
+    assert host_threads(cores=4, ranks_on_node=8, current=4, user_set=False) == 1
 
 
 def _two_ranks_first_step(rank: int, world: int, root: str, usage: int) -> str:

@@ -54,7 +54,7 @@ def _rank(rank: int, ranks: int, n: int, chunk: int, repeat: int, barrier, out) 
     triad = _best(lambda: torch.add(b, c, alpha=0.5, out=a), repeat)
     barrier.wait()
     update = _best(lambda: a.add_(b, alpha=0.5), repeat)
-    del a, b, c
+    a = b = c = None  # freed before the optimizer's buffers
     params = [torch.rand(min(chunk, n - i)) for i in range(0, n, chunk)]
     for p in params:
         p.grad = torch.rand_like(p)
