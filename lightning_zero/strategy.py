@@ -218,14 +218,20 @@ class ZeroStrategy(ParallelStrategy):
     def _check_host_memory(self, trainer: Any) -> None:
         """Offload: the host memory the plan needs must be there (MemAvailable, the cgroup limit, the node's other
         ranks) before anything is allocated: one error on every rank instead of the kernel's OOM kill."""
-        from .host_memory import HostMemoryError, read_host_budget, shortfall
+        from .host_memory import read_host_budget, shortfall
         from .planner import host_bytes_per_rank, placement_name
 
         numel = sum(p.numel() for p in self.lightning_module.parameters())
         needed = host_bytes_per_rank(numel, self.config, self.world_size,
                                      4 if self.precision_plugin.compute_dtype == torch.float32 else 2,
                                      int(trainer.accumulate_grad_batches or 1))
-        problem = shortfall(needed, read_host_budget(self.num_processes), f"ZeroStrategy ({placement_name(self.config)})")
+        self._refuse_on_every_rank(
+            shortfall(needed, read_host_budget(self.num_processes), f"ZeroStrategy ({placement_name(self.config)})"))
+
+    def _refuse_on_every_rank(self, problem: Optional[str]) -> None:
+        """Any rank's host-memory problem stops every rank (one rank raising alone would leave the others hanging)."""
+        from .host_memory import HostMemoryError
+
         problem = next((p for p in self.comm.all_gather_object(problem) if p), None)
         if problem:
             raise HostMemoryError(problem)
@@ -233,13 +239,11 @@ class ZeroStrategy(ParallelStrategy):
     def _recheck_host_memory(self) -> None:
         """Before the first step: the optimizer state it will create on the host must still fit (dataloader
         workers and other processes start after setup); one error on every rank instead of an OOM kill."""
-        from .host_memory import HostMemoryError, first_step_shortfall, read_host_budget
+        from .host_memory import first_step_shortfall, read_host_budget
 
         pending = self.engine.offloader.pending_host_bytes(self.optimizers) if self.engine is not None else 0
-        problem = first_step_shortfall(pending, read_host_budget(self.num_processes)) if pending else None
-        problem = next((p for p in self.comm.all_gather_object(problem) if p), None)
-        if problem:
-            raise HostMemoryError(problem)
+        self._refuse_on_every_rank(first_step_shortfall(pending, read_host_budget(self.num_processes)) if pending
+                                   else None)
 
     def _build_engine(self, trainer: Any, fitting: bool) -> None:
         optimizers = list(self.optimizers) if fitting else []
