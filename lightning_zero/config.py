@@ -79,9 +79,13 @@ class ZeroConfig:
         nvme_path: directory for ``nvme`` offload files (a fast local disk); when null the
             LIGHTNING_ZERO_NVME_PATH environment variable is read.
         nvme_buffer_bytes: host memory budget of the staging buffers ``nvme`` offload streams through.
-        overlap_step: offload: step host units during backward as soon as their gradients are final, when
-            that is exact (one optimizer, automatic optimization, no clipping, no fp16 loss scaling, no
+        overlap_step: offload: step host units during backward as soon as their gradients are final (one
+            optimizer, automatic optimization, no hook that may change gradients before the step, such as an
             ``on_before_optimizer_step`` override); otherwise the host step follows backward.
+        speculative_step: offload with ``overlap_step`` under gradient clipping or fp16 loss scaling: step host
+            units during backward anyway, keeping a copy of their master and optimizer state (host memory as
+            large as the offloaded state; skipped when the host has no room), and redo them after backward
+            only when the global norm clips or a rank overflowed: bit-identical to stepping after backward.
         offload_accumulation: offload with gradient accumulation: where the offloaded units' gradients add up
             over the micro-batches of a window. "device" keeps an fp32 accumulator of them on the GPU and
             crosses PCIe once per step; "host" copies each micro-batch's reduced gradients down on a side
@@ -119,6 +123,7 @@ class ZeroConfig:
     nvme_path: Optional[str] = None
     nvme_buffer_bytes: int = 1 << 30
     overlap_step: bool = True
+    speculative_step: bool = True
     offload_accumulation: str = "device"
     auto_placement: bool = False
 

@@ -12,7 +12,7 @@ from typing import Any, Optional
 
 import torch
 
-__all__ = ["zero_grad_before_next_backward", "overlap_blocker", "check_even_batches", "replay_finetuning_restore",
+__all__ = ["zero_grad_before_next_backward", "overlap_blocker", "gradient_changers", "check_even_batches", "replay_finetuning_restore",
            "hold_schedulers_on_skip", "checkpoint_readers"]
 
 _GRAD_HOOKS = ("on_after_backward", "on_before_optimizer_step")
@@ -30,19 +30,15 @@ def zero_grad_before_next_backward(module: Any) -> bool:
     return bool(module.automatic_optimization) and not _overridden("optimizer_zero_grad", module, pl.LightningModule)
 
 
-def overlap_blocker(trainer: Any, module: Any, optimizers: list[Any], loss_scaling: bool) -> Optional[str]:
-    """Why the host step may not start during backward (None: it may): something between backward and
-    the step could still change the gradients, or the step happens elsewhere."""
+def overlap_blocker(trainer: Any, module: Any, optimizers: list[Any]) -> Optional[str]:
+    """Why the host step may not start during backward (None: it may): a user hook between backward and the
+    step could change the gradients, or the step happens elsewhere."""
     import lightning.pytorch as pl
 
     if len(optimizers) != 1:
         return "several optimizers"
     if not module.automatic_optimization:
         return "manual optimization"
-    if trainer.gradient_clip_val:
-        return "gradient clipping"
-    if loss_scaling:
-        return "fp16 loss scaling"
     for name in (*_GRAD_HOOKS, "configure_gradient_clipping", "optimizer_step"):
         if _overridden(name, module, pl.LightningModule):
             return f"the module overrides {name}"
@@ -51,6 +47,14 @@ def overlap_blocker(trainer: Any, module: Any, optimizers: list[Any], loss_scali
             if _overridden(name, callback, pl.Callback):
                 return f"{type(callback).__name__}.{name}"
     return None
+
+
+def gradient_changers(trainer: Any, loss_scaling: bool) -> Optional[str]:
+    """What of the engine's own may still change gradients between backward and the step (global clipping,
+    the fp16 overflow vote), making a host step during backward speculative; None: nothing."""
+    found = [what for what, present in (("gradient clipping", bool(trainer.gradient_clip_val)),
+                                         ("fp16 loss scaling", loss_scaling)) if present]
+    return " and ".join(found) or None
 
 
 def check_even_batches(loop: Any, stage: str, comm: Any, device: torch.device) -> None:

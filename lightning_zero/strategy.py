@@ -228,6 +228,20 @@ class ZeroStrategy(ParallelStrategy):
         self._refuse_on_every_rank(
             shortfall(needed, read_host_budget(self.num_processes), f"ZeroStrategy ({placement_name(self.config)})"))
 
+    def _speculation_blocker(self, engine: Any, optimizers: list[Any]) -> Optional[str]:
+        """Speculative host steps keep a copy of the offloaded master and state (engine.speculation): only when
+        the host has room for it beside what the first step still allocates; every rank decides alike."""
+        from .host_memory import read_host_budget
+
+        offloader = engine.offloader
+        backup = offloader.speculation_bytes(optimizers)
+        budget = read_host_budget(self.num_processes)
+        fits = backup + offloader.pending_host_bytes(optimizers) + budget.headroom_per_rank <= budget.per_rank
+        if all(self.comm.all_gather_object(fits)):
+            return None
+        return (f"no host memory for the speculative step's copy of the offloaded state ({backup / 2**30:.2f} GiB "
+                f"per rank; the host can give {budget.describe()})")
+
     def _refuse_on_every_rank(self, problem: Optional[str]) -> None:
         """Any rank's host-memory problem stops every rank (one rank raising alone would leave the others hanging)."""
         from .host_memory import HostMemoryError
@@ -241,7 +255,14 @@ class ZeroStrategy(ParallelStrategy):
         workers and other processes start after setup); one error on every rank instead of an OOM kill."""
         from .host_memory import first_step_shortfall, read_host_budget
 
-        pending = self.engine.offloader.pending_host_bytes(self.optimizers) if self.engine is not None else 0
+        offloader = self.engine.offloader if self.engine is not None else None
+        if offloader is not None and offloader.speculating:  # its copy first: when short, the step waits instead
+            budget = read_host_budget(self.num_processes)
+            fits = (offloader.speculation_bytes(self.optimizers) + offloader.pending_host_bytes(self.optimizers)
+                    + budget.headroom_per_rank <= budget.per_rank)
+            if not all(self.comm.all_gather_object(fits)):
+                rank_zero_info(self.engine.overlap_step(None, "no host memory left for the speculative step's copy"))
+        pending = offloader.pending_host_bytes(self.optimizers) if offloader is not None else 0
         self._refuse_on_every_rank(first_step_shortfall(pending, read_host_budget(self.num_processes)) if pending
                                    else None)
 
@@ -257,10 +278,12 @@ class ZeroStrategy(ParallelStrategy):
             free_grads_at_step=fitting and lightning_loop.zero_grad_before_next_backward(self.lightning_module))
         self.precision_plugin.attach(engine, self.root_device.type)
         if engine.offloader is not None:  # the host may step during backward only when nothing comes between
-            blocker = (lightning_loop.overlap_blocker(trainer, self.lightning_module, optimizers,
-                                                      self.precision_plugin.scaler is not None)
+            blocker = (lightning_loop.overlap_blocker(trainer, self.lightning_module, optimizers)
                        if fitting else "not fitting")
-            rank_zero_info(engine.overlap_step(optimizers[0] if blocker is None else None, blocker))
+            speculate = lightning_loop.gradient_changers(trainer, self.precision_plugin.scaler is not None)
+            if blocker is None and speculate:
+                blocker = self._speculation_blocker(engine, optimizers)
+            rank_zero_info(engine.overlap_step(optimizers[0] if blocker is None else None, blocker, speculate))
             self._place_host_threads()
         if self.config.shard_params:
             install_summary(trainer)

@@ -182,6 +182,7 @@ def fit_case(rank: int, world: int, module_name: str, strategy: str, precision: 
     out = {"losses": module.losses, "global_step": trainer.global_step, "memory": memory.reports if probe else [],
            "stepped_in_backward": offloader.stepped_in_backward if offloader is not None else 0,
            "batches_in_backward": offloader.batches_in_backward if offloader is not None else 0,
+           "speculations_undone": offloader.speculations_undone if offloader is not None else 0,
            "host_adds": offloader.host_adds if offloader is not None else 0,
            "state": trained_state(trainer, module),
            "dtype": str(next(module.parameters()).dtype)}

@@ -64,7 +64,7 @@ m = nn.Linear(4, 2)
 e, o, _, _ = deepspeed.initialize(model=m, config={"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3},
                                                    "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}})
 for i in range(3):
-    e.backward(e(torch.randn(2, 4)).sum())
+    e.backward(e(torch.randn(2, 4, device=e.device)).sum())
     e.step()
 e.save_checkpoint(sys.argv[1], client_state={"a": 1})
 before = e.full_state_dict()

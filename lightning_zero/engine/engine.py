@@ -295,17 +295,22 @@ class ZeroEngine:
         for _, b in self.module.named_buffers():
             b.data = self.comm.broadcast(b.detach().to(self.device).contiguous(), src=0)
 
-    def overlap_step(self, optimizer: Optional[torch.optim.Optimizer], blocker: Optional[str] = None) -> str:
+    def overlap_step(self, optimizer: Optional[torch.optim.Optimizer], blocker: Optional[str] = None,
+                     speculate: Optional[str] = None) -> str:
         """Let the host step ``optimizer``'s offloaded units during backward (None: not anymore, because of
         ``blocker``); returns a line saying what is offloaded and when the host steps.
 
-        Only exact when nothing changes gradients between backward and the step: the caller (the
-        strategy) checks one optimizer, no clipping, no loss scaling and no user hook before the step.
+        The caller (the strategy) checks that only the engine's own clipping and overflow vote can change
+        gradients between backward and the step (one optimizer, no user hook before the step). ``speculate``
+        names those when present: then the early steps are speculative (see engine.speculation), unless
+        ``speculative_step=False``.
         """
         if self.offloader is None:
             return "lightning_zero: nothing offloaded"
         described = f"lightning_zero {self.describe_offload()}; host step "
-        if optimizer is None or not self.config.overlap_step:
+        if speculate and not self.config.speculative_step:
+            blocker = f"{speculate}, speculative_step=False"
+        if optimizer is None or blocker or not self.config.overlap_step:
             self.offloader.disable_overlap()
             return described + f"after backward ({blocker or 'overlap_step=False'})"
         optimizer = unwrap(optimizer)
@@ -320,9 +325,15 @@ class ZeroEngine:
                 if unit.state is UnitState.UNSHARDED:
                     unit.gather_source()  # this rank's chunk of the device buffer; the others come at the step
 
-        self.offloader.enable_overlap(optimizer, self.routes.inner_step(optimizer), fully_used, publish_own)
+        self.offloader.enable_overlap(optimizer, self.routes.inner_step(optimizer), fully_used, publish_own,
+                                      speculative=bool(speculate))
         self.reducer.tell_late(self.offloader.overlap.late_gradient if self.offloader.overlap is not None else None)
+        if speculate and self.offloader.overlap is not None:
+            return described + f"overlaps backward, speculatively ({speculate}: redone when they change gradients)"
         return described + "overlaps backward"
+
+    def _speculating(self) -> bool:
+        return self.offloader is not None and self.offloader.speculating
 
     # ---- backward -------------------------------------------------------------------------------
     def begin_backward(self, loss: torch.Tensor) -> None:
@@ -431,13 +442,21 @@ class ZeroEngine:
         """Like ``torch.nn.utils.clip_grad_norm_`` over the optimizer's parameters, across shards."""
         total = self.grad_norm(optimizer, norm_type)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        if self._speculating():
+            if coef.item() == 1.0:  # the regular path multiplies by one: no value changes, the early steps stand
+                return total
+            self.offloader.reject_speculation()  # before the multiply: the worker may still read them
         for device, grads in _by_device(self.grads(optimizer)).items():
             torch._foreach_mul_(grads, coef.to(device))
         return total
 
     @torch.no_grad()
     def clip_grad_value_(self, optimizer: torch.optim.Optimizer, clip_value: float) -> None:
-        for g in self.grads(optimizer):
+        grads = self.grads(optimizer)
+        if self._speculating():  # undo the early steps of the units whose gradients the clamp changes
+            self.offloader.reject_speculation([u for u in self.offloader.speculated()
+                                               if bool(u.grad_shard.abs().amax() > clip_value)])
+        for g in grads:
             g.clamp_(-clip_value, clip_value)
 
     def nonfinite_parameters(self) -> list[str]:
@@ -482,7 +501,7 @@ class ZeroEngine:
                 early = self.offloader.overlap.stepped if self.offloader.overlap is not None else set()
                 if self.comm.world_size == 1:  # their own chunk is the whole unit: already published
                     published.update(early)
-                out = self.offloader.step(optimizer, lambda: inner(**kwargs), publish)
+                out = self.offloader.step(optimizer, lambda: inner(**kwargs), publish, self._stepped_everywhere)
         else:
             with torch.no_grad(), pieces_in_groups(optimizer, self.piece_of):
                 out = inner(**kwargs)
@@ -494,9 +513,22 @@ class ZeroEngine:
             self._drop_grads(self.slots_of(optimizer))
         return out
 
+    def _stepped_everywhere(self, early: set[int], units: list[FlatUnit]) -> set[int]:
+        """Of ``units`` (the same list on every rank), those every rank stepped during backward."""
+        if self.comm.world_size == 1 or not units:
+            return early
+        waiting = torch.tensor([0.0 if u.index in early else 1.0 for u in units], device=self.device)
+        self.comm.all_reduce(waiting, op="max")
+        return {u.index for u, w in zip(units, waiting.tolist()) if w == 0.0}
+
     def skip_step(self, optimizer: torch.optim.Optimizer) -> None:
         """No step for ``optimizer`` this window (fp16 overflow): values and state unchanged."""
         self.finish_grads()
+        if self._speculating():  # units stepped during backward get their values back, on the device too
+            self.offloader.reject_speculation()
+            self.offloader.overlap.drain()
+            mine = {id(p) for group in unwrap(optimizer).param_groups for p in group["params"]}
+            self.republish([u for u in self.offloader.units if any(id(p) in mine for p in u.params)])
         if self.free_grads_at_step:
             self._drop_grads(self.slots_of(optimizer))
 

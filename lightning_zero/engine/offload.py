@@ -17,12 +17,12 @@ move is :func:`lightning_zero.partition.plan_offload` of ``offload_fraction``, b
 - step: the device part is stepped first (its kernels are queued and run on the GPU), then the
   host steps its units chunk by chunk; after each chunk its new values are queued for the
   device (pinned, asynchronous) and all-gathered, while the CPU already steps the next chunk.
-- overlap (``overlap_step``): when nothing between backward and the step can change the gradients
-  (one optimizer, automatic optimization, no clipping, no fp16 loss scaling, no user hook before
-  the step), a unit whose final gradient has landed on the host is stepped by a worker thread
-  while backward goes on, in chunks, and its new values are copied back at once. Otherwise
-  global clipping and the fp16 overflow vote need every gradient first, and the host step starts
-  once backward has ended.
+- overlap (``overlap_step``): with one optimizer, automatic optimization and no user hook before the
+  step, a unit whose final gradient has landed on the host is stepped by a worker thread while
+  backward goes on, in chunks, and its new values are copied back at once. Global clipping and the
+  fp16 overflow vote need every gradient first: then the step is speculative (``speculative_step``,
+  see :mod:`lightning_zero.engine.speculation`): the worker keeps what it overwrote, and the units are
+  put back and stepped again after backward only when the norm clips or a rank overflowed.
 """
 
 from __future__ import annotations
@@ -90,6 +90,7 @@ class Offloader:
         self._announced: set[int] = set()  # units handed to the overlap this window (once each)
         self.overlap: Optional[OverlapWorker] = None  # set by enable_overlap when the step may start in backward
         self.stepped_in_backward = 0  # units stepped by the overlap worker (diagnostics, tests)
+        self.speculations_undone = 0  # of those, units put back because the norm clipped or a rank overflowed
         self.batches_in_backward = 0  # of those, batches handed to it before backward ended
         self.seconds = {"host_step": 0.0, "wait_for_host": 0.0}  # summed over steps (diagnostics, benchmarks)
         nvme_masters = config.offload_optimizer == "nvme"
@@ -149,15 +150,50 @@ class Offloader:
                 f"{', pinned' if self.grads.pinned else ''})")
 
     def enable_overlap(self, optimizer: torch.optim.Optimizer, inner: Callable[[], Any],
-                       fully_used: Callable[[FlatUnit], bool], publish_own: Callable[[list[FlatUnit]], None]) -> None:
-        """Step host units during backward (see [Note: the pipeline]); the caller checked that it is exact."""
+                       fully_used: Callable[[FlatUnit], bool], publish_own: Callable[[list[FlatUnit]], None],
+                       speculative: bool = False) -> None:
+        """Step host units during backward (see [Note: the pipeline]); ``speculative``: clipping or the
+        overflow vote may still undo those steps (the caller checked that nothing else can change gradients)."""
+        self.disable_overlap()
         if self.backend.steps_in_place:
-            self.overlap = OverlapWorker(self, optimizer, inner, fully_used, publish_own)
+            self.overlap = OverlapWorker(self, optimizer, inner, fully_used, publish_own, speculative)
 
     def disable_overlap(self) -> None:
         if self.overlap is not None:
-            self.overlap.drain()
+            self.overlap.close()
             self.overlap = None
+
+    @property
+    def speculating(self) -> bool:
+        return self.overlap is not None and self.overlap.speculative
+
+    def speculated(self) -> list[FlatUnit]:
+        """The units stepped speculatively this window so far (after waiting for the worker)."""
+        if not self.speculating:
+            return []
+        self.overlap.wait()
+        return [u for u in self.units if u.index in self.overlap.stepped]
+
+    def reject_speculation(self, units: Optional[Sequence[FlatUnit]] = None) -> list[FlatUnit]:
+        """Undo this window's speculative steps of ``units`` (all: None); the units undone."""
+        if not self.speculating:
+            return []
+        return self.overlap.reject(list(self.units if units is None else units))
+
+    def speculation_bytes(self, optimizers: Sequence[Any]) -> int:
+        """Host bytes the backups of speculative steps take (master and state of every offloaded piece)."""
+        total = 0
+        for optimizer in optimizers:
+            inner = unwrap(optimizer)
+            for group in inner.param_groups:
+                per_elem = 4 + max(lazy_state_bytes(inner, group), 4 if type(inner).__name__ == "Adagrad" else 0)
+                for p in group["params"]:
+                    try:
+                        if p.requires_grad and self.unit_of(p).index in self.indices and self.piece_of(p) is not None:
+                            total += self.piece_of(p).numel() * per_elem
+                    except KeyError:
+                        continue
+        return total
 
     # ---- gradients -------------------------------------------------------------------------
     @torch.no_grad()
@@ -177,7 +213,10 @@ class Offloader:
         event = self._land(unit, *held)
         if final and self.overlap is not None and unit.index not in self._announced:
             self._announced.add(unit.index)
-            self.overlap.ready(unit, event)
+            if self.overlap.accepts(unit):
+                # speculative (fp16): the worker unscales this unit's host gradient before stepping it
+                unscale = self._host_scale.pop(unit.index, 1.0) if self.overlap.speculative else 1.0
+                self.overlap.ready(unit, event, unscale)
 
     def _accumulate_on_device(self, unit: FlatUnit, reduced: torch.Tensor, final: bool,
                               unscale: float) -> Optional[tuple[torch.Tensor, float]]:
@@ -220,6 +259,8 @@ class Offloader:
     @torch.no_grad()
     def finish_window(self) -> None:
         """Every gradient copy has landed and every host gradient holds true (unscaled) values."""
+        if self.speculating:  # the norm and the vote read the gradients the worker unscales, and the optimizer's
+            self.overlap.wait()  # groups, which hold pieces while the worker steps
         self.wait_copies()
         for k, unscale in self._host_scale.items():
             if unscale != 1.0:
@@ -244,12 +285,21 @@ class Offloader:
 
     # ---- the step -------------------------------------------------------------------------
     def step(self, optimizer: torch.optim.Optimizer, inner: Callable[[], Any],
-             publish: Callable[[list[FlatUnit]], None]) -> Any:
-        """Step the device part, then the host part chunk by chunk, publishing each chunk at once."""
+             publish: Callable[[list[FlatUnit]], None],
+             agree: Callable[[set[int], list[FlatUnit]], set[int]] = lambda early, units: early) -> Any:
+        """Step the device part, then the host part chunk by chunk, publishing each chunk at once.
+
+        ``agree(early, units)``: of ``units``, those stepped during backward on every rank. Which units a
+        rank stepped early is its own (a unit some of whose parameters it did not use waits for the step),
+        but publishing gathers from all ranks: every rank walks the same chunks, stepping only what it has
+        not stepped yet.
+        """
         early = self.overlap.drain() if self.overlap is not None else set()
         self.wait_copies()
         mine = {id(p) for group in optimizer.param_groups for p in group["params"]}
-        units = [u for u in self.units if any(id(p) in mine for p in u.params) and u.index not in early]
+        units = [u for u in self.units if any(id(p) in mine for p in u.params)]
+        everywhere = agree(early, units) if self.overlap is not None else early
+        units = [u for u in units if u.index not in everywhere]
 
         def on_device(p: Any) -> Any:
             return None if self.unit_of(p).index in self.indices else self.piece_of(p)
@@ -257,24 +307,27 @@ class Offloader:
         with pieces_in_groups(optimizer, on_device), record_function("zero/device_step"):
             out = inner()
         start = time.perf_counter()
-        self.step_units(optimizer, inner, units, publish)
+        self.step_units(optimizer, inner, units, publish, stepped=early)
         self.seconds["host_step"] += time.perf_counter() - start
         return out
 
     def step_units(self, optimizer: torch.optim.Optimizer, inner: Callable[[], Any], units: list[FlatUnit],
-                   publish: Callable[[list[FlatUnit]], None], label: str = "host_step") -> None:
+                   publish: Callable[[list[FlatUnit]], None], label: str = "host_step",
+                   stepped: frozenset[int] | set[int] = frozenset()) -> None:
         """Step offloaded ``units`` through the backend, chunk by chunk, publishing each chunk once stepped:
-        the one body of the host step, after backward or (the overlap worker) during it."""
+        the one body of the host step, after backward or (the overlap worker) during it. Units in
+        ``stepped`` were stepped already: only published."""
 
         def body(chunk: list[FlatUnit]) -> Any:
-            members = {u.index for u in chunk}
+            members = {u.index for u in chunk if u.index not in stepped}
 
             def in_chunk(p: Any) -> Any:
                 return self.piece_of(p) if self.unit_of(p).index in members else None
 
-            with record_function(f"zero/{label}[units {chunk[0].index}-{chunk[-1].index}]"), \
-                    pieces_in_groups(optimizer, in_chunk), self._fast_host_kernels(optimizer):
-                inner()
+            if members:
+                with record_function(f"zero/{label}[units {chunk[0].index}-{chunk[-1].index}]"), \
+                        pieces_in_groups(optimizer, in_chunk), self._fast_host_kernels(optimizer):
+                    inner()
             with record_function("zero/publish"):
                 publish(chunk)
             if not self.cuda:
