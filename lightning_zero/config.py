@@ -86,6 +86,12 @@ class ZeroConfig:
             units during backward anyway, keeping a copy of their master and optimizer state (host memory as
             large as the offloaded state; skipped when the host has no room), and redo them after backward
             only when the global norm clips or a rank overflowed: bit-identical to stepping after backward.
+        delayed_step: offload to the CPU: ZeRO-Offload's delayed parameter update (opt-in, inexact). From the
+            second step on, step t's host update runs on a worker thread during forward and backward of step
+            t+1, which still use the values of step t-1: the host step costs no time while it fits under them,
+            and each update uses gradients one step stale. Costs a second host gradient buffer (4 bytes per
+            offloaded parameter). Needs ``offload_optimizer="cpu"`` and parameters on the device (stage 3:
+            ``offload_params="none"``).
         offload_accumulation: offload with gradient accumulation: where the offloaded units' gradients add up
             over the micro-batches of a window. "device" keeps an fp32 accumulator of them on the GPU and
             crosses PCIe once per step; "host" copies each micro-batch's reduced gradients down on a side
@@ -124,6 +130,7 @@ class ZeroConfig:
     nvme_buffer_bytes: int = 1 << 30
     overlap_step: bool = True
     speculative_step: bool = True
+    delayed_step: bool = False
     offload_accumulation: str = "device"
     auto_placement: bool = False
 
@@ -177,6 +184,12 @@ class ZeroConfig:
                self.offload_fraction, "a partial placement needs offload_optimizer='cpu' or 'nvme'")
         _check(self.offload_accumulation in ("device", "host"), "offload_accumulation", self.offload_accumulation,
                "use 'device' (an fp32 accumulator on the GPU) or 'host' (micro-batch gradients added on the host)")
+        _check(not self.delayed_step or self.auto_placement or self.offload_optimizer == "cpu", "delayed_step",
+               self.delayed_step, "the delayed host step needs offload_optimizer='cpu' (zero2_offload or zero3_offload "
+               "with offload_params='none'); NVMe-offloaded state is stepped from files after backward")
+        _check(not self.delayed_step or self.offload_params == "none", "delayed_step", self.delayed_step,
+               "the delayed host step updates the host copy stage-3 gathers read during the next forward: keep "
+               "the parameters on the device (offload_params='none') or set delayed_step=False")
         _check(self.nvme_buffer_bytes >= 4096, "nvme_buffer_bytes", self.nvme_buffer_bytes,
                "use a positive number of bytes, at least 4096 (the host staging budget of NVMe offload)")
         _check(self.collective_timeout_s > 0, "collective_timeout_s", self.collective_timeout_s,

@@ -116,6 +116,8 @@ def estimate(num_params: int, config: Optional[ZeroConfig], hw: Hardware, *, com
             out.host = host_state
         if config.shard_params and config.offload_params == "nvme":
             out.nvme += int(f * shard * p)
+        if f and config.delayed_step:
+            out.host += int(4 * shard * f)  # the second host gradient arena (the next window lands there)
         if f and accumulate > 1 and config.offload_accumulation == "host":
             out.host += 2 * 4 * min(largest_unit or n // 24, int(shard))  # two pinned staging slots
     out.gpu_total = out.gpu_state + activations + CUDA_CONTEXT_BYTES
@@ -236,7 +238,8 @@ def choose(num_params: int, hw: Hardware, base: ZeroConfig, **kwargs: object) ->
     keep = {k: v for k, v in base.to_dict().items()
             if k not in ("stage", "offload_optimizer", "offload_params", "offload_fraction", "offload_accumulation",
                          "auto_placement")}
-    fitting = [row for option in options for config in _with_accumulation(option.replace(**keep), kwargs)
+    fitting = [row for option in options if _allowed(option, keep)
+               for config in _with_accumulation(option.replace(**keep), kwargs)
                for row in [estimate(num_params, config, hw, **kwargs)] if row.fits]
     if fitting:
         row = fitting[0]
@@ -248,6 +251,17 @@ def choose(num_params: int, hw: Hardware, base: ZeroConfig, **kwargs: object) ->
         f"No placement fits {num_params / 1e9:.2f}B parameters on {hw.world} GPU(s) of {hw.gpu_bytes / GiB:.0f} GiB "
         f"with {hw.host_bytes / GiB:.0f} GiB host memory and {hw.nvme_bytes / GiB:.0f} GiB NVMe per node: add GPUs "
         f"or nodes, give an nvme_path with room, or use activation checkpointing / a smaller micro-batch.")
+
+
+def _allowed(option: ZeroConfig, keep: dict) -> bool:
+    """Whether the user's other fields allow this placement (delayed_step keeps the parameters on the device)."""
+    from .config import ZeroConfigError
+
+    try:
+        option.replace(**keep)
+    except ZeroConfigError:
+        return False
+    return True
 
 
 def _figures(row: Placement, hw: Hardware) -> str:

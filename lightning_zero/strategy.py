@@ -28,7 +28,7 @@ from torch import Tensor
 from . import ds_glue, lightning_compat, lightning_loop, process_group
 from .checkpoint import lightning_io
 from .collectives import Comm
-from .config import ZeroConfig, _reject_unknown
+from .config import ZeroConfig, ZeroConfigError, _reject_unknown
 from .engine import ZeroEngine
 from .engine.materialize import RngState, has_meta
 from .engine.memory import MemoryReport, memory_report
@@ -277,6 +277,11 @@ class ZeroStrategy(ParallelStrategy):
             wrappers=lightning_compat.lightning_optimizers(self) if fitting else (),
             free_grads_at_step=fitting and lightning_loop.zero_grad_before_next_backward(self.lightning_module))
         self.precision_plugin.attach(engine, self.root_device.type)
+        if self.config.delayed_step and engine.offloader is not None and fitting and not engine.free_grads_at_step:
+            raise ZeroConfigError(
+                "ZeroConfig.delayed_step=True needs the gradients cleared at every step (automatic optimization with "
+                "Lightning's own optimizer_zero_grad): the next window's gradients would otherwise add into the ones "
+                "the delayed update is still reading. Use the stock optimizer_zero_grad or set delayed_step=False.")
         if engine.offloader is not None:  # the host may step during backward only when nothing comes between
             blocker = (lightning_loop.overlap_blocker(trainer, self.lightning_module, optimizers)
                        if fitting else "not fitting")
@@ -422,15 +427,23 @@ class ZeroStrategy(ParallelStrategy):
 
     # ---- evaluation: every rank must run the same forward passes under stage 3 ------------------
     def on_validation_start(self) -> None:
+        self._settle()
         trainer = self.lightning_module.trainer
         fitting = trainer.state.fn == TrainerFn.FITTING
         self._check_even(trainer.fit_loop.epoch_loop.val_loop if fitting else trainer.validate_loop, "val")
 
     def on_test_start(self) -> None:
+        self._settle()
         self._check_even(self.lightning_module.trainer.test_loop, "test")
 
     def on_predict_start(self) -> None:
+        self._settle()
         self._check_even(self.lightning_module.trainer.predict_loop, "predict")
+
+    def _settle(self) -> None:
+        """delayed_step: evaluation sees the latest update (every rank is here: the publish is a collective)."""
+        if self.engine is not None:
+            self.engine.settle()
 
     def _check_even(self, loop: Any, stage: str) -> None:
         if self.config.shard_params:  # every stage-3 forward gathers: an extra batch on one rank would hang
@@ -454,7 +467,10 @@ class ZeroStrategy(ParallelStrategy):
     def _state_engine(self) -> Optional[ZeroEngine]:
         """The engine whose shards hold the weights: the live one, or the last fit's (stages 1/2)."""
         engine = self.engine or self._parked
-        return engine if engine is not None and engine.units else None
+        if engine is None or not engine.units:
+            return None
+        engine.settle(publish=False)  # delayed_step: the fp32 state is whole once the running update is done
+        return engine
 
     @property
     def _sharded_checkpoints(self) -> bool:
@@ -579,6 +595,8 @@ class ZeroStrategy(ParallelStrategy):
             self._undo_hold()
             self._undo_hold = None
         engine = self.engine
+        if engine is not None and not self._failed:
+            engine.settle()  # delayed_step: the last update reaches the module
         if engine is not None and engine.units:
             self._final_report = memory_report(engine)
         if engine is not None and self._failed:

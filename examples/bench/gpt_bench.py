@@ -468,6 +468,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--plan", action="store_true",
                     help="zero strategies on a GPU: probe this model's activations (depth 2 and 3, same micro-batch) and "
                          "record lightning_zero's planned GPU / host peaks beside the measured ones")
+    ap.add_argument("--clip", type=float, default=0.0, help="gradient_clip_val (global norm); 0: none")
     ap.add_argument("--tag", default="")
     ap.add_argument("--no-fast-exit", dest="fast_exit", action="store_false",
                     help="run Lightning's teardown instead of os._exit right after the measurement")
@@ -494,7 +495,7 @@ def main(argv=None) -> int:
     else:
         threads = torch.get_num_threads()
     n_total, n_flop = param_counts(a.vocab, a.seq, a.layers, a.d_model)
-    rec = {"tag": a.tag, "strategy": a.strategy, "layers": a.layers, "d_model": a.d_model, "heads": a.heads,
+    rec = {"tag": a.tag, "clip": a.clip, "strategy": a.strategy, "layers": a.layers, "d_model": a.d_model, "heads": a.heads,
            "seq": a.seq, "vocab": a.vocab, "micro_batch": a.batch, "accumulate": a.accumulate, "precision": a.precision, "ckpt": a.ckpt,
            "devices": a.devices, "accelerator": a.accelerator, "warmup": a.warmup, "steps": a.steps,
            "params": n_total, "params_b": round(n_total / 1e9, 3), "params_flop": n_flop,
@@ -535,6 +536,7 @@ def main(argv=None) -> int:
         engine = getattr(strategy, "engine", None) or getattr(strategy, "_parked", None)
         if getattr(engine, "offloader", None) is not None:  # offload diagnostics (lightning_zero)
             rec["offload_stepped_in_backward"] = engine.offloader.stepped_in_backward
+            rec["offload_speculations_undone"] = engine.offloader.speculations_undone
             rec["offload_seconds"] = {k: round(v, 3) for k, v in engine.offloader.seconds.items()}
         rec["params_counted"] = module.params_counted
         micro = timer.step_times[: a.steps * acc]
@@ -593,7 +595,7 @@ def main(argv=None) -> int:
         rec.update(extra)
         trainer = pl.Trainer(accelerator=a.accelerator, devices=a.devices, num_nodes=1, strategy=strategy,
                              precision=a.precision, max_steps=a.warmup + a.steps, logger=False,
-                             accumulate_grad_batches=acc,
+                             accumulate_grad_batches=acc, gradient_clip_val=a.clip or None,
                              enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                              num_sanity_val_steps=0, use_distributed_sampler=False, callbacks=[timer])
         data = SyntheticTokens(a.vocab, a.seq, (a.warmup + a.steps + 2) * a.batch * acc)

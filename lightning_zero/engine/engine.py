@@ -308,6 +308,10 @@ class ZeroEngine:
         if self.offloader is None:
             return "lightning_zero: nothing offloaded"
         described = f"lightning_zero {self.describe_offload()}; host step "
+        if self.config.delayed_step:
+            self.offloader.disable_overlap()
+            return described + ("one step late (delayed_step): step t's host update runs during window t+1, "
+                                "from gradients one step stale")
         if speculate and not self.config.speculative_step:
             blocker = f"{speculate}, speculative_step=False"
         if optimizer is None or blocker or not self.config.overlap_step:
@@ -488,6 +492,7 @@ class ZeroEngine:
     def step(self, optimizer: torch.optim.Optimizer, **kwargs: Any) -> Any:
         """Step ``optimizer`` on this rank's pieces, then publish the new values (stages 1/2)."""
         optimizer = unwrap(optimizer)
+        self.settle()
         self.finish_grads()
         inner = self.routes.inner_step(optimizer)
         self.grad_bytes_at_step = sum(u.grad_shard.numel() * 4 for u in self.units if u.grad_shard is not None)
@@ -501,7 +506,9 @@ class ZeroEngine:
                 early = self.offloader.overlap.stepped if self.offloader.overlap is not None else set()
                 if self.comm.world_size == 1:  # their own chunk is the whole unit: already published
                     published.update(early)
-                out = self.offloader.step(optimizer, lambda: inner(**kwargs), publish, self._stepped_everywhere)
+                out = self.offloader.step(optimizer, lambda: inner(**kwargs), publish, self._stepped_everywhere,
+                                          self._on_every_rank)
+                published.update(u.index for u in self.offloader.in_flight)  # published once the update is done
         else:
             with torch.no_grad(), pieces_in_groups(optimizer, self.piece_of):
                 out = inner(**kwargs)
@@ -513,6 +520,17 @@ class ZeroEngine:
             self._drop_grads(self.slots_of(optimizer))
         return out
 
+    def settle(self, publish: bool = True) -> None:
+        """``delayed_step``: wait for the host update still running; ``publish`` (a collective) its values to the
+        device. Before reading or writing the fp32 state (checkpoints), evaluation and the end of fit."""
+        if self.offloader is not None:
+            self.offloader.settle(self.republish if publish else None)
+
+    def _on_every_rank(self, flag: bool) -> bool:
+        if self.comm.world_size == 1:
+            return flag
+        return not bool(self.comm.all_reduce(torch.tensor([0.0 if flag else 1.0], device=self.device), op="max")[0])
+
     def _stepped_everywhere(self, early: set[int], units: list[FlatUnit]) -> set[int]:
         """Of ``units`` (the same list on every rank), those every rank stepped during backward."""
         if self.comm.world_size == 1 or not units:
@@ -523,6 +541,7 @@ class ZeroEngine:
 
     def skip_step(self, optimizer: torch.optim.Optimizer) -> None:
         """No step for ``optimizer`` this window (fp16 overflow): values and state unchanged."""
+        self.settle()
         self.finish_grads()
         if self._speculating():  # units stepped during backward get their values back, on the device too
             self.offloader.reject_speculation()
@@ -591,6 +610,7 @@ class ZeroEngine:
     @torch.no_grad()
     def unflatten(self, device: Optional[torch.device] = None) -> None:
         """Give the module back as plain fp32 parameters holding the trained (master) values."""
+        self.settle(publish=False)
         self.detach()
         for unit, full in self.gather_masters():
             unit.give_params(full, device or self.device, copy=True)
@@ -605,6 +625,7 @@ class ZeroEngine:
         (Lightning's teardown then copies them to the CPU). With bf16/fp16 compute the fp32 masters are
         gathered one unit at a time straight into host memory, so no device holds the fp32 model.
         """
+        self.settle()
         self.detach()
         if self.compute_dtype != torch.float32:
             for unit, full in self.gather_masters():

@@ -39,6 +39,7 @@ from torch.profiler import record_function
 
 from ..config import ZeroConfig
 from ..partition import plan_offload
+from .delayed import DelayedStep
 from .flat_unit import FlatUnit
 from .host import HOST_STEP_CHUNK, HostArena, HostBackend
 from .optim import lazy_state_bytes, pieces_in_groups, unwrap
@@ -106,6 +107,11 @@ class Offloader:
         if self.host_accumulation and self.units:  # every host buffer now, while the host budget was just checked
             self._adder = _HostAdder(max(u.layout.shard_numel for u in self.units), self.grads.pinned,
                                      self.copy_stream, self.seconds)
+        # delayed_step: the update of step t runs on a worker while window t+1 lands in a second gradient arena
+        self.delayed = DelayedStep(self.seconds) if config.delayed_step and self.units else None
+        self._spare_grads = (HostArena([u.layout.shard_numel for u in self.units], torch.float32, pin)
+                             if self.delayed is not None else None)
+        self._unpublished: list[FlatUnit] = []  # updated by the delayed step, not yet on the device
         if config.shard_params and config.offload_params == "none":  # stage 3: a device shard to gather from
             for unit in self.units:
                 unit.set_param_shard(torch.empty(unit.layout.shard_numel, dtype=compute_dtype, device=device))
@@ -284,9 +290,40 @@ class Offloader:
             self._adder.wait()
 
     # ---- the step -------------------------------------------------------------------------
+    # ---- the delayed step ---------------------------------------------------------------------
+    def settle(self, publish: Optional[Callable[[list[FlatUnit]], None]] = None) -> None:
+        """Wait for the delayed update, if one runs (the master and state are then whole); with ``publish``
+        (a collective: every rank calls it at the same point) its values go to the device."""
+        if self.delayed is None:
+            return
+        self._unpublished += [u for u in self.delayed.settle() if u not in self._unpublished]
+        if publish is not None and self._unpublished:
+            units, self._unpublished = self._unpublished, []
+            publish(units)
+
+    @property
+    def in_flight(self) -> list[FlatUnit]:
+        """Units whose update the delayed step is running: the device keeps their old values until settled."""
+        return list(self.delayed.units) if self.delayed is not None and self.delayed.running else []
+
+    def _step_later(self, optimizer: torch.optim.Optimizer, units: list[FlatUnit],
+                    every_rank: Callable[[bool], bool]) -> bool:
+        """Hand this step's host update to the delayed worker; False when it must run now (some piece has no
+        optimizer state yet, on some rank: torch creates it lazily, in the real optimizer)."""
+        members = {u.index for u in units}
+        by_group = [[q for q in (self.piece_of(p) for p in group["params"] if p.requires_grad
+                                 and self.unit_of(p).index in members) if q is not None and q.grad is not None]
+                    for group in optimizer.param_groups]
+        if not every_rank(DelayedStep.ready(optimizer, [q for pieces in by_group for q in pieces])):
+            return False
+        self.delayed.launch(optimizer, by_group, units, fused=self.cuda)
+        self.grads, self._spare_grads = self._spare_grads, self.grads  # the next window lands in the other arena
+        return True
+
     def step(self, optimizer: torch.optim.Optimizer, inner: Callable[[], Any],
              publish: Callable[[list[FlatUnit]], None],
-             agree: Callable[[set[int], list[FlatUnit]], set[int]] = lambda early, units: early) -> Any:
+             agree: Callable[[set[int], list[FlatUnit]], set[int]] = lambda early, units: early,
+             every_rank: Callable[[bool], bool] = lambda flag: flag) -> Any:
         """Step the device part, then the host part chunk by chunk, publishing each chunk at once.
 
         ``agree(early, units)``: of ``units``, those stepped during backward on every rank. Which units a
@@ -306,6 +343,8 @@ class Offloader:
 
         with pieces_in_groups(optimizer, on_device), record_function("zero/device_step"):
             out = inner()
+        if self.delayed is not None and units and self._step_later(optimizer, units, every_rank):
+            return out
         start = time.perf_counter()
         self.step_units(optimizer, inner, units, publish, stepped=early)
         self.seconds["host_step"] += time.perf_counter() - start
@@ -341,6 +380,8 @@ class Offloader:
 
     def close(self) -> None:
         self.disable_overlap()
+        if self.delayed is not None:
+            self.delayed.close()
         if self._adder is not None:
             self._adder.close()
             self._adder = None

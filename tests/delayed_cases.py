@@ -1,0 +1,114 @@
+"""The delayed host step (``tests/test_delayed_step.py``): a Lightning fit on two ranks, and the same
+training written out in plain PyTorch with ZeRO-Offload's one-step-stale update."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Subset, TensorDataset
+
+import lightning_zero
+from lightning_zero import ZeroStrategy
+
+N, DIM, BATCH, LR = 64, 12, 4, 0.05
+
+
+def data() -> TensorDataset:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(N, DIM, generator=g)
+    return TensorDataset(x, (x @ torch.randn(DIM, 1, generator=g)).tanh() + 0.1 * torch.randn(N, 1, generator=g))
+
+
+def net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(DIM, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 1))
+
+
+class Regression(pl.LightningModule):
+    def __init__(self, warmup: bool) -> None:
+        super().__init__()
+        self.net = net()
+        self.warmup = warmup
+        self.losses: list[float] = []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.mse_loss(self.net(x), y)
+        self.losses.append(float(loss.detach()))
+        return loss
+
+    def configure_optimizers(self):
+        opt = torch.optim.AdamW(self.parameters(), lr=LR, weight_decay=0.01)
+        if not self.warmup:
+            return opt
+        # the learning rate changes every step: the delayed update must use the rate of its own step
+        return [opt], [{"scheduler": torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 4)),
+                        "interval": "step"}]
+
+
+def fit(rank: int, world: int, delayed: bool, warmup: bool = True, stage: int = 2, fraction: float = 1.0,
+        clip: float = 0.0, **options) -> dict:
+    assert lightning_zero
+    pl.seed_everything(0, verbose=False)
+    module = Regression(warmup)
+    strategy = ZeroStrategy(stage=stage, offload_optimizer="cpu", offload_fraction=fraction, delayed_step=delayed,
+                            min_group_params=10, param_persistence_threshold=0, **options)
+    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_epochs=1, logger=False,
+                         gradient_clip_val=clip or None, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, num_sanity_val_steps=0, use_distributed_sampler=False)
+    trainer.fit(module, DataLoader(Subset(data(), range(rank, N, world)), batch_size=BATCH))  # rank r: r, r+w, ...
+    engine = trainer.strategy.engine or trainer.strategy._parked
+    offloader = engine.offloader if engine is not None else None
+    state = {k: v.detach().cpu().clone() for k, v in trainer.strategy.full_state_dict(rank0_only=False).items()}
+    stale = sorted(n.removeprefix("net.") for u in offloader.units for n in u.names) if offloader is not None else []
+    return {"losses": module.losses, "state": state, "steps": trainer.global_step, "stale": stale,
+            "launched": offloader.delayed.launched if offloader is not None and offloader.delayed else 0}
+
+
+def stale_reference(world: int, warmup: bool = True, clip: float = 0.0, stale: list[str] | None = None) -> dict:
+    """The same training in plain PyTorch: from the second step on, each update of the ``stale`` parameters
+    (None: all) reaches the values forward uses one step late (ZeRO-Offload's delayed parameter update), the
+    others' at once; rank r's k-th batch is what ``fit`` gives it, their mean loss the global batch's."""
+    names = [n for n, _ in net().named_parameters()]
+    late = [stale is None or n in stale for n in names]
+    model = net()
+    master = [p.detach().clone().requires_grad_(True) for p in model.parameters()]
+    opt = torch.optim.AdamW(master, lr=LR, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 4)) if warmup else None
+    x, y = data().tensors
+    steps = N // (BATCH * world)
+    device_values = [p.detach().clone() for p in master]  # what forward uses
+    pending = False
+    for k in range(steps):
+        idx = torch.tensor([r + world * (BATCH * k + j) for r in range(world) for j in range(BATCH)])
+        for p, v in zip(model.parameters(), device_values):
+            p.data.copy_(v)
+        model.zero_grad()
+        nn.functional.mse_loss(model(x[idx]), y[idx]).backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        if pending:  # the previous update is published before this one starts
+            device_values = [p.detach().clone() for p in master]
+        for m, p in zip(master, model.parameters()):
+            m.grad = p.grad.clone()
+        opt.step()
+        if sched is not None:
+            sched.step()
+        if k == 0:  # the first update creates the optimizer state: it runs at once
+            device_values = [p.detach().clone() for p in master]
+        else:
+            pending = True
+            device_values = [v if is_late else m.detach().clone() for v, m, is_late in zip(device_values, master, late)]
+    return {"state": {k: m.detach().clone() for k, m in zip(dict(model.named_parameters()), master)}}
+
+
+def run_delayed(rank: int, world: int) -> dict:
+    out = {"delayed": fit(rank, world, True), "exact": fit(rank, world, False),
+           "delayed_z3_clip": fit(rank, world, True, stage=3, clip=0.5),
+           "delayed_z2_half": fit(rank, world, True, fraction=0.5, reduce_bucket_size=400)}  # several units
+    if rank == 0:
+        out["reference"] = stale_reference(world)
+        out["reference_clip"] = stale_reference(world, clip=0.5)
+        out["reference_half"] = stale_reference(world, stale=out["delayed_z2_half"]["stale"])
+    return out

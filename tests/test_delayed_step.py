@@ -1,0 +1,62 @@
+"""``delayed_step=True``: the host update of step t runs while step t+1 computes, from gradients one step stale
+(ZeRO-Offload's delayed parameter update). Checked against the same rule written out in plain PyTorch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from dist_utils import run_ranks
+
+from lightning_zero import ZeroConfig, ZeroConfigError
+
+
+@pytest.fixture(scope="module")
+def world2():
+    from delayed_cases import run_delayed
+
+    return run_ranks(run_delayed, 2, lightning=True)
+
+
+@pytest.mark.slow
+def test_delayed_step_is_the_one_step_stale_update(world2):
+    ref = world2[0]["reference"]["state"]
+    for results in world2:
+        run = results["delayed"]
+        assert run["steps"] == 8 and run["launched"] == run["steps"] - 1  # all but the first, which creates state
+        for name, value in ref.items():
+            torch.testing.assert_close(run["state"]["net." + name], value, rtol=1e-5, atol=1e-6)
+        # and it is not the exact training: the test can tell them apart
+        diff = max((run["state"][k] - results["exact"]["state"][k]).abs().max().item() for k in run["state"])
+        assert diff > 1e-3
+        assert results["delayed"]["losses"][:2] == results["exact"]["losses"][:2]  # both start from the same values
+
+
+@pytest.mark.slow
+def test_delayed_step_under_stage3_and_clipping_is_the_same_rule(world2):
+    ref = world2[0]["reference_clip"]["state"]
+    for results in world2:
+        run = results["delayed_z3_clip"]
+        assert run["launched"] == run["steps"] - 1
+        for name, value in ref.items():
+            torch.testing.assert_close(run["state"]["net." + name], value, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_delayed_step_with_part_of_the_state_offloaded_is_late_only_there(world2):
+    # the device part steps at once, the offloaded part one step late
+    ref = world2[0]["reference_half"]["state"]
+    for results in world2:
+        run = results["delayed_z2_half"]
+        assert run["launched"] == run["steps"] - 1
+        assert 0 < len(run["stale"]) < len(ref)  # some parameters offloaded, not all
+        for name, value in ref.items():
+            torch.testing.assert_close(run["state"]["net." + name], value, rtol=1e-5, atol=1e-6)
+
+
+def test_delayed_step_refuses_what_it_cannot_do():
+    with pytest.raises(ZeroConfigError, match="offload_optimizer='cpu'"):
+        ZeroConfig(stage=2, delayed_step=True)
+    with pytest.raises(ZeroConfigError, match="offload_params='none'"):
+        ZeroConfig(stage=3, offload_optimizer="cpu", offload_params="cpu", delayed_step=True)
+    with pytest.raises(ZeroConfigError, match="offload_optimizer='cpu'"):
+        ZeroConfig(stage=2, offload_optimizer="nvme", nvme_path="/tmp", delayed_step=True)
