@@ -25,6 +25,17 @@ def net() -> nn.Module:
     return nn.Sequential(nn.Linear(DIM, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 1))
 
 
+class ReadStateAt(pl.Callback):
+    """Reads the full state after the given step, as a checkpoint would (the running update must be waited for)."""
+
+    def __init__(self, step: int) -> None:
+        self.step, self.state = step, None
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.step:
+            self.state = {k: v.clone() for k, v in trainer.strategy.full_state_dict(rank0_only=False).items()}
+
+
 class Regression(pl.LightningModule):
     def __init__(self, warmup: bool) -> None:
         super().__init__()
@@ -54,7 +65,9 @@ def fit(rank: int, world: int, delayed: bool, warmup: bool = True, stage: int = 
     module = Regression(warmup)
     strategy = ZeroStrategy(stage=stage, offload_optimizer="cpu", offload_fraction=fraction, delayed_step=delayed,
                             min_group_params=10, param_persistence_threshold=0, **options)
+    reader = ReadStateAt(3)
     trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_epochs=1, logger=False,
+                         callbacks=[reader],
                          gradient_clip_val=clip or None, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, num_sanity_val_steps=0, use_distributed_sampler=False)
     trainer.fit(module, DataLoader(Subset(data(), range(rank, N, world)), batch_size=BATCH))  # rank r: r, r+w, ...
@@ -63,6 +76,7 @@ def fit(rank: int, world: int, delayed: bool, warmup: bool = True, stage: int = 
     state = {k: v.detach().cpu().clone() for k, v in trainer.strategy.full_state_dict(rank0_only=False).items()}
     stale = sorted(n.removeprefix("net.") for u in offloader.units for n in u.names) if offloader is not None else []
     return {"losses": module.losses, "state": state, "steps": trainer.global_step, "stale": stale,
+            "state_at_3": reader.state,
             "launched": offloader.delayed.launched if offloader is not None and offloader.delayed else 0}
 
 
@@ -80,6 +94,7 @@ def stale_reference(world: int, warmup: bool = True, clip: float = 0.0, stale: l
     steps = N // (BATCH * world)
     device_values = [p.detach().clone() for p in master]  # what forward uses
     pending = False
+    after: list[dict] = []
     for k in range(steps):
         idx = torch.tensor([r + world * (BATCH * k + j) for r in range(world) for j in range(BATCH)])
         for p, v in zip(model.parameters(), device_values):
@@ -100,7 +115,8 @@ def stale_reference(world: int, warmup: bool = True, clip: float = 0.0, stale: l
         else:
             pending = True
             device_values = [v if is_late else m.detach().clone() for v, m, is_late in zip(device_values, master, late)]
-    return {"state": {k: m.detach().clone() for k, m in zip(dict(model.named_parameters()), master)}}
+        after.append({n: m.detach().clone() for n, m in zip(names, master)})
+    return {"state": after[-1], "after": after}
 
 
 def run_delayed(rank: int, world: int) -> dict:

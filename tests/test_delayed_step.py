@@ -32,6 +32,15 @@ def test_delayed_step_is_the_one_step_stale_update(world2):
 
 
 @pytest.mark.slow
+def test_state_read_mid_training_sees_every_update_so_far(world2):
+    # a checkpoint or full_state_dict() after step 3 waits for the update still running on the worker
+    after3 = world2[0]["reference"]["after"][2]
+    for results in world2:
+        for name, value in after3.items():
+            torch.testing.assert_close(results["delayed"]["state_at_3"]["net." + name], value, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
 def test_delayed_step_under_stage3_and_clipping_is_the_same_rule(world2):
     ref = world2[0]["reference_clip"]["state"]
     for results in world2:
