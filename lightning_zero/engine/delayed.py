@@ -52,9 +52,11 @@ class DelayedStep:
         return all(optimizer.state.get(p) for p in pieces)
 
     def launch(self, optimizer: torch.optim.Optimizer, pieces_by_group: list[list[nn.Parameter]],
-               units: list[Any], fused: bool) -> None:
+               units: list[Any], fused: bool, after: Any = None) -> None:
         """Hand the update of ``pieces_by_group`` (this rank's offloaded pieces with a gradient, per group of
-        ``optimizer``) to the worker; ``units`` are published when it is done."""
+        ``optimizer``) to the worker; ``units`` are published when it is done. ``after``: a CUDA event the
+        worker waits for first (the copies that publish the previous update read the pinned master
+        asynchronously: it must not change under them)."""
         assert self.future is None, "settle() the running update first"
         shadow = object.__new__(type(optimizer))
         shadow.__dict__.update(optimizer.__dict__)  # defaults, hooks, flags; groups and state replaced below
@@ -74,9 +76,11 @@ class DelayedStep:
         shadow.param_groups = groups
         self.units = units
         self.launched += 1
-        self.future = self.pool.submit(self._run, shadow)
+        self.future = self.pool.submit(self._run, shadow, after)
 
-    def _run(self, shadow: torch.optim.Optimizer) -> None:
+    def _run(self, shadow: torch.optim.Optimizer, after: Any) -> None:
+        if after is not None:
+            after.synchronize()
         start = time.perf_counter()
         try:
             with torch.no_grad(), record_function("zero/delayed_host_step"):

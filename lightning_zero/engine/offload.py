@@ -316,7 +316,11 @@ class Offloader:
                     for group in optimizer.param_groups]
         if not every_rank(DelayedStep.ready(optimizer, [q for pieces in by_group for q in pieces])):
             return False
-        self.delayed.launch(optimizer, by_group, units, fused=self.cuda)
+        after = None
+        if self.cuda:  # everything queued so far (the previous update's uploads from the master) runs first
+            after = torch.cuda.Event()
+            after.record()
+        self.delayed.launch(optimizer, by_group, units, fused=self.cuda, after=after)
         self.grads, self._spare_grads = self._spare_grads, self.grads  # the next window lands in the other arena
         return True
 
