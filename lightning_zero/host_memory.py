@@ -190,6 +190,15 @@ def first_step_shortfall(pending: int, budget: HostBudget) -> Optional[str]:
             f"here instead of being killed by the kernel mid-step. {_WAYS_OUT}")
 
 
+def speculation_room(backup: int, pending: int, budget: HostBudget) -> Optional[str]:
+    """Whether the copy a speculative host step keeps (``backup`` bytes per rank) fits beside what the first
+    step still allocates (``pending``); None when it does, else why not (the host step then waits for backward)."""
+    if backup + pending + budget.headroom_per_rank <= budget.per_rank:
+        return None
+    return (f"no host memory for the speculative step's copy of the offloaded state ({backup / GiB:.2f} GiB per "
+            f"rank; the host can give {budget.describe()})")
+
+
 def host_threads(cores: int, ranks_on_node: int, current: int, user_set: bool) -> Optional[int]:
     """The intra-op threads one rank's host optimizer step should use: its share of the node's cores (the host
     step is bound by memory bandwidth, and ranks that each start one thread per core of the node oversubscribe

@@ -16,6 +16,8 @@ DeepSpeed or Lightning's ``DeepSpeedStrategy``; see :mod:`.checkpoint.deepspeed_
 
 from __future__ import annotations
 
+import logging
+import os
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
@@ -32,6 +34,8 @@ from .engine import ZeroEngine
 from .engine.materialize import RngState
 from .engine.state import full_model_state, load_model_state, load_optimizer_state
 from .precision.step import LossScaling, make_scaler, zero_step
+
+log = logging.getLogger(__name__)
 
 __all__ = ["ZeroModelEngine"]
 
@@ -60,6 +64,13 @@ class ZeroModelEngine(nn.Module):
         self.zero = ZeroEngine(model, [optimizer], ds.zero, comm, device, self.compute_dtype, init_rng=init_rng,
                                free_grads_at_step=True)
         self.scaling = LossScaling(make_scaler(ds.zero, self.compute_dtype))
+        if self.zero.offloader is not None:  # the host steps during backward; clipping / fp16 make it speculative
+            changers = " and ".join(what for what, present in (("gradient clipping", bool(ds.gradient_clip_val)),
+                                                               ("fp16 loss scaling", self.scaling.scaler is not None))
+                                    if present) or None
+            blocker = (self.zero.speculation_blocker([optimizer], int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+                       if changers and ds.zero.speculative_step else None)
+            log.info(self.zero.overlap_step(None if blocker else optimizer, blocker, changers))
         # DeepSpeed derives the missing one of batch / micro-batch / accumulation and refuses a mismatch
         tbs, mbs, gas = resolve_batch(ds.train_batch_size, ds.micro_batch_per_gpu, ds.accumulate, comm.world_size)
         self._batch, self._micro_batch, self._accumulate = tbs, mbs or 1, gas or 1

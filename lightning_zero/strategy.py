@@ -228,20 +228,6 @@ class ZeroStrategy(ParallelStrategy):
         self._refuse_on_every_rank(
             shortfall(needed, read_host_budget(self.num_processes), f"ZeroStrategy ({placement_name(self.config)})"))
 
-    def _speculation_blocker(self, engine: Any, optimizers: list[Any]) -> Optional[str]:
-        """Speculative host steps keep a copy of the offloaded master and state (engine.speculation): only when
-        the host has room for it beside what the first step still allocates; every rank decides alike."""
-        from .host_memory import read_host_budget
-
-        offloader = engine.offloader
-        backup = offloader.speculation_bytes(optimizers)
-        budget = read_host_budget(self.num_processes)
-        fits = backup + offloader.pending_host_bytes(optimizers) + budget.headroom_per_rank <= budget.per_rank
-        if all(self.comm.all_gather_object(fits)):
-            return None
-        return (f"no host memory for the speculative step's copy of the offloaded state ({backup / 2**30:.2f} GiB "
-                f"per rank; the host can give {budget.describe()})")
-
     def _refuse_on_every_rank(self, problem: Optional[str]) -> None:
         """Any rank's host-memory problem stops every rank (one rank raising alone would leave the others hanging)."""
         from .host_memory import HostMemoryError
@@ -257,11 +243,9 @@ class ZeroStrategy(ParallelStrategy):
 
         offloader = self.engine.offloader if self.engine is not None else None
         if offloader is not None and offloader.speculating:  # its copy first: when short, the step waits instead
-            budget = read_host_budget(self.num_processes)
-            fits = (offloader.speculation_bytes(self.optimizers) + offloader.pending_host_bytes(self.optimizers)
-                    + budget.headroom_per_rank <= budget.per_rank)
-            if not all(self.comm.all_gather_object(fits)):
-                rank_zero_info(self.engine.overlap_step(None, "no host memory left for the speculative step's copy"))
+            blocker = self.engine.speculation_blocker(list(self.optimizers), self.num_processes)
+            if blocker:
+                rank_zero_info(self.engine.overlap_step(None, blocker))
         pending = offloader.pending_host_bytes(self.optimizers) if offloader is not None else 0
         self._refuse_on_every_rank(first_step_shortfall(pending, read_host_budget(self.num_processes)) if pending
                                    else None)
@@ -287,7 +271,7 @@ class ZeroStrategy(ParallelStrategy):
                        if fitting else "not fitting")
             speculate = lightning_loop.gradient_changers(trainer, self.precision_plugin.scaler is not None)
             if blocker is None and speculate:
-                blocker = self._speculation_blocker(engine, optimizers)
+                blocker = engine.speculation_blocker(optimizers, self.num_processes)
             rank_zero_info(engine.overlap_step(optimizers[0] if blocker is None else None, blocker, speculate))
             self._place_host_threads()
         if self.config.shard_params:

@@ -336,6 +336,18 @@ class ZeroEngine:
             return described + f"overlaps backward, speculatively ({speculate}: redone when they change gradients)"
         return described + "overlaps backward"
 
+    def speculation_blocker(self, optimizers: list[Any], ranks_on_node: int) -> Optional[str]:
+        """Why the host step may not speculate here (no host memory for its copy, on some rank), or None.
+        A collective: every rank decides alike."""
+        from ..host_memory import read_host_budget, speculation_room
+
+        offloader = self.offloader
+        if offloader is None:
+            return None
+        problem = speculation_room(offloader.speculation_bytes(optimizers), offloader.pending_host_bytes(optimizers),
+                                   read_host_budget(ranks_on_node))
+        return next((p for p in self.comm.all_gather_object(problem) if p), None)
+
     def _speculating(self) -> bool:
         return self.offloader is not None and self.offloader.speculating
 
