@@ -17,11 +17,30 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 QUICK = ("trainer.max_steps=2", "sample_chars=0", "trainer.enable_progress_bar=false", "trainer.logger=false")
 
 
+def _env(**env: str) -> dict:
+    return job_env(PYTHONPATH=os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]),
+                   PYTHONWARNINGS="ignore", **env)
+
+
 def _run(module: str, *args: str, cwd: Path, timeout: float = 300, **env: str) -> subprocess.CompletedProcess:
-    environ = job_env(PYTHONPATH=os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]),
-                      PYTHONWARNINGS="ignore", **env)
-    return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, env=environ, capture_output=True,
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, env=_env(**env), capture_output=True,
                           text=True, timeout=timeout)
+
+
+def _run_all(module: str, cases: list[tuple[str, ...]], root: Path, timeout: float = 300) -> list:
+    """``_run`` for every case at once, each in its own directory: the processes spend most of their time
+    importing torch and Lightning, which runs side by side."""
+    procs = []
+    for i, args in enumerate(cases):
+        cwd = root / f"case{i}"
+        cwd.mkdir()
+        procs.append(subprocess.Popen([sys.executable, "-m", module, *args], cwd=cwd, env=_env(),
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    out = []
+    for proc in procs:
+        stdout, stderr = proc.communicate(timeout=timeout)
+        out.append(subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr))
+    return out
 
 
 def _one_line_error(out: subprocess.CompletedProcess, needle: str) -> None:
@@ -44,8 +63,7 @@ def jsons(tmp_path_factory):
     return d
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("args,needle", [
+APP_ERRORS = [
     (("strategy=deepspeed",), "strategy.deepspeed_config=PATH"),
     (("strategy=deepspeed", "strategy.deepspeed_config=nope.json"), "'nope.json' does not exist"),
     (("strategy=deepspeed", "strategy.deepspeed_config={d}/misspelt.json"), "did you mean 'zero_optimization'"),
@@ -56,10 +74,19 @@ def jsons(tmp_path_factory):
      "keep one of them"),
     (("ckpt_path=/no/such/ckpt",), "no such file or directory"),
     (("ckpt_path=last",), "no checkpoint under"),
-])
-def test_app_errors_are_one_line(tmp_path, jsons, args, needle):
-    out = _run("lightning_zero.train", *(a.format(d=jsons) for a in args), *QUICK, cwd=tmp_path)
-    _one_line_error(out, needle)
+]
+
+
+@pytest.fixture(scope="module")
+def app_errors(tmp_path_factory, jsons):
+    cases = [(*(a.format(d=jsons) for a in args), *QUICK) for args, _ in APP_ERRORS]
+    return _run_all("lightning_zero.train", cases, tmp_path_factory.mktemp("app_errors"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", range(len(APP_ERRORS)), ids=[needle for _, needle in APP_ERRORS])
+def test_app_errors_are_one_line(app_errors, case):
+    _one_line_error(app_errors[case], APP_ERRORS[case][1])
 
 
 @pytest.mark.slow
@@ -95,15 +122,24 @@ def test_app_resumes_from_path_and_last(tmp_path):
     assert "finished step 10/10" in line and f"resumed from {saved[0]}" in line, line
 
 
-@pytest.mark.parametrize("args,needle", [
+ESTIMATOR_ERRORS = [
     (("--params", "-5"), "--params -5"), (("--params", "7e9", "--gpu-mem", "-10"), "--gpu-mem -10"),
     (("--params", "7e9", "--activations", "-3"), "--activations -3"),
     (("--params", "7e9", "--gpus-per-node", "0"), "--gpus-per-node 0"), (("--params", "nan"), "--params nan"),
     (("--params", "7e9", "--precision", "int8"), "--precision 'int8'"), (("--params", "abc"), "invalid float"),
     (("model=nonexistent",), "model=nonexistent"),
-])
-def test_estimator_refuses_impossible_input(tmp_path, args, needle):
-    _one_line_error(_run("lightning_zero.estimate", *args, cwd=tmp_path), needle)
+]
+
+
+@pytest.fixture(scope="module")
+def estimator_errors(tmp_path_factory):
+    return _run_all("lightning_zero.estimate", [args for args, _ in ESTIMATOR_ERRORS],
+                    tmp_path_factory.mktemp("estimator_errors"))
+
+
+@pytest.mark.parametrize("case", range(len(ESTIMATOR_ERRORS)), ids=[needle for _, needle in ESTIMATOR_ERRORS])
+def test_estimator_refuses_impossible_input(estimator_errors, case):
+    _one_line_error(estimator_errors[case], ESTIMATOR_ERRORS[case][1])
 
 
 def test_estimator_fp32_is_32_true(capsys):

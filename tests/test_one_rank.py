@@ -19,10 +19,19 @@ JOB = Path(__file__).parent / "one_rank_job.py"
 STRATEGIES = ("zero1", "zero2", "zero3", "zero2_offload", "zero3_offload")
 
 
-def run_job(out: Path, scenario: str, strategy: str, timeout: float = 180.0) -> subprocess.CompletedProcess:
+def start_job(out: Path, scenario: str, strategy: str) -> subprocess.Popen:
     env = job_env(PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, str(JOB), str(out), scenario, strategy], capture_output=True, text=True,
-                          timeout=timeout, env=env, cwd=out)
+    return subprocess.Popen([sys.executable, str(JOB), str(out), scenario, strategy], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, cwd=out)
+
+
+def finish(proc: subprocess.Popen, timeout: float = 180.0) -> subprocess.CompletedProcess:
+    stdout, stderr = proc.communicate(timeout=timeout)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+
+def run_job(out: Path, scenario: str, strategy: str, timeout: float = 180.0) -> subprocess.CompletedProcess:
+    return finish(start_job(out, scenario, strategy), timeout)
 
 
 def gone(pid: int) -> bool:
@@ -42,12 +51,20 @@ def wait_gone(out: Path, within: float) -> list[int]:
     return [p for p in pids if not gone(p)]
 
 
+@pytest.fixture(scope="module")
+def overflow_jobs(tmp_path_factory):
+    """One job per strategy, side by side (most of each is starting Python, torch and Lightning)."""
+    dirs = {strategy: tmp_path_factory.mktemp(f"overflow-{strategy}") for strategy in STRATEGIES}
+    procs = {strategy: start_job(d, "overflow", strategy) for strategy, d in dirs.items()}
+    return {strategy: (dirs[strategy], finish(proc, timeout=300.0)) for strategy, proc in procs.items()}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_overflow_on_one_rank_is_skipped_everywhere_while_rank0_reads_state(tmp_path, strategy):
-    job = run_job(tmp_path, "overflow", strategy)
+def test_overflow_on_one_rank_is_skipped_everywhere_while_rank0_reads_state(overflow_jobs, strategy):
+    out, job = overflow_jobs[strategy]
     assert job.returncode == 0, job.stderr[-3000:]
-    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
+    r0, r1 = (torch.load(out / f"rank{r}.pt") for r in (0, 1))
     assert r0["steps"] == r1["steps"] == 6
     # trace[i] is after step i: steps 2 and 3 (rank 1's infinite loss) changed nothing on either rank
     assert r0["changed"] == r1["changed"] == [True, False, False, True, True]
@@ -55,12 +72,24 @@ def test_overflow_on_one_rank_is_skipped_everywhere_while_rank0_reads_state(tmp_
     assert r0["reads"] == 6 and r1["reads"] == 0
 
 
+ERRORS = [(scenario, message, strategy) for scenario, message in
+          (("sharded", "lightning_module_state_dict()"), ("collective", "full_state_dict()"))
+          for strategy in ("zero2", "zero3")]
+
+
+@pytest.fixture(scope="module")
+def error_jobs(tmp_path_factory):
+    """The four jobs at once: each spends most of its time waiting for the rank that never comes."""
+    dirs = [tmp_path_factory.mktemp(f"{scenario}-{strategy}") for scenario, _, strategy in ERRORS]
+    procs = [start_job(d, scenario, strategy) for d, (scenario, _, strategy) in zip(dirs, ERRORS)]
+    return [(d, finish(p)) for d, p in zip(dirs, procs)]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("scenario,message", [("sharded", "lightning_module_state_dict()"), ("collective", "full_state_dict()")])
-@pytest.mark.parametrize("strategy", ["zero2", "zero3"])
-def test_an_error_on_rank0_only_ends_every_rank(tmp_path, scenario, message, strategy):
-    job = run_job(tmp_path, scenario, strategy)
+@pytest.mark.parametrize("case", range(len(ERRORS)), ids=[f"{s}-{g}" for s, _, g in ERRORS])
+def test_an_error_on_rank0_only_ends_every_rank(error_jobs, case):
+    out, job = error_jobs[case]
     assert job.returncode != 0
-    assert message in job.stderr, job.stderr[-3000:]
-    assert not wait_gone(tmp_path, within=60.0), "a rank is still running after rank 0 failed"
-    assert not (tmp_path / "rank1.pt").exists()
+    assert ERRORS[case][1] in job.stderr, job.stderr[-3000:]
+    assert not wait_gone(out, within=60.0), "a rank is still running after rank 0 failed"
+    assert not (out / "rank1.pt").exists()

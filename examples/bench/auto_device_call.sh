@@ -13,7 +13,7 @@ if [ -n "${TEST_ARGS:-}" ]; then
   echo "gpu tests rc=$?"; tail -1 "$OUT/gpu_tests.txt"; grep -E "^(FAILED|ERROR)|^E  " "$OUT/gpu_tests.txt" | head -30
 fi
 SHAPE=${SHAPE:---layers 32 --d-model 2560 --heads 20 --seq 2048 --batch 8 --ckpt --gpu-mem-cap-gb 24}
-for s in ${STRATS:-zero_auto zero2_offload}; do
+for s in ${STRATS-zero_auto zero2_offload}; do  # STRATS= (empty): the tests only
   timeout "${RUN_T:-180}" python3 .anchor/bench.py --strategy "$s" $SHAPE --warmup "${WARMUP:-2}" --steps "${STEPS:-5}" \
     --tag "$s" ${EXTRA:-} > "$OUT/run_$s.log" 2>&1 &
   pid=$! peak=0
