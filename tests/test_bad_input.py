@@ -27,14 +27,15 @@ def _run(module: str, *args: str, cwd: Path, timeout: float = 300, **env: str) -
                           text=True, timeout=timeout)
 
 
-def _run_all(module: str, cases: list[tuple[str, ...]], root: Path, timeout: float = 300) -> list:
-    """``_run`` for every case at once, each in its own directory: the processes spend most of their time
-    importing torch and Lightning, which runs side by side."""
+def _run_all(module: str, cases: list[tuple[str, ...]], root: Path, timeout: float = 300,
+             envs: list[dict] | None = None) -> list:
+    """``_run`` for every case at once, each in its own directory (``envs``: extra environment per case): the
+    processes spend most of their time importing torch and Lightning, which runs side by side."""
     procs = []
     for i, args in enumerate(cases):
         cwd = root / f"case{i}"
         cwd.mkdir()
-        procs.append(subprocess.Popen([sys.executable, "-m", module, *args], cwd=cwd, env=_env(),
+        procs.append(subprocess.Popen([sys.executable, "-m", module, *args], cwd=cwd, env=_env(**(envs or [{}] * len(cases))[i]),
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     out = []
     for proc in procs:
@@ -79,8 +80,12 @@ APP_ERRORS = [
 
 @pytest.fixture(scope="module")
 def app_errors(tmp_path_factory, jsons):
+    """Every bad invocation, then (last two) the traceback on request and the JSON's clipping, side by side."""
     cases = [(*(a.format(d=jsons) for a in args), *QUICK) for args, _ in APP_ERRORS]
-    return _run_all("lightning_zero.train", cases, tmp_path_factory.mktemp("app_errors"))
+    cases += [("strategy=deepspeed", *QUICK), ("strategy=deepspeed", f"strategy.deepspeed_config={jsons}/clip.json",
+                                               *QUICK)]
+    envs = [{}] * len(APP_ERRORS) + [{"HYDRA_FULL_ERROR": "1"}, {}]
+    return _run_all("lightning_zero.train", cases, tmp_path_factory.mktemp("app_errors"), envs=envs)
 
 
 @pytest.mark.slow
@@ -90,16 +95,15 @@ def test_app_errors_are_one_line(app_errors, case):
 
 
 @pytest.mark.slow
-def test_app_traceback_on_request(tmp_path):
-    out = _run("lightning_zero.train", "strategy=deepspeed", *QUICK, cwd=tmp_path, HYDRA_FULL_ERROR="1")
+def test_app_traceback_on_request(app_errors):
+    out = app_errors[len(APP_ERRORS)]  # HYDRA_FULL_ERROR=1
     assert out.returncode != 0 and "Traceback" in out.stderr and "deepspeed_config" in out.stderr
 
 
 @pytest.mark.slow
-def test_json_clipping_wins_over_the_apps_default(tmp_path, jsons):
+def test_json_clipping_wins_over_the_apps_default(app_errors):
     """The app's own default gradient_clip_val (1.0) is not the user's choice: the JSON's 0.5 stands."""
-    out = _run("lightning_zero.train", "strategy=deepspeed", f"strategy.deepspeed_config={jsons}/clip.json", *QUICK,
-               cwd=tmp_path)
+    out = app_errors[len(APP_ERRORS) + 1]
     assert out.returncode == 0, out.stderr[-3000:]
 
 
