@@ -18,26 +18,37 @@ CLIENT = ROOT / "tests" / "ds_cnn_client.py"
 GPT2 = ROOT / "examples" / "deepspeed_gpt2_script.py"
 
 
-def torchrun(script: Path, *args: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+def start_torchrun(script: Path, *args: str, cwd: Path) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
            str(script), *args]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=cwd,
-                         env=job_env(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"))
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
-    return out
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd,
+                            env=job_env(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"))
 
 
-CASES = {"stage1": ["--stage", "1"],  # stage 0 runs as stage 1 (tests/test_deepspeed_config.py) "stage2": ["--stage", "2"],
-         "stage3": ["--stage", "3"], "stage2_offload": ["--stage", "2", "--offload"]}
+def finish(proc: subprocess.Popen, timeout: float = 300) -> subprocess.CompletedProcess:
+    stdout, stderr = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, stdout[-3000:] + stderr[-5000:]
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+
+def torchrun(script: Path, *args: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+    return finish(start_torchrun(script, *args, cwd=cwd), timeout)
+
+
+# stage 0 runs as stage 1 (tests/test_deepspeed_config.py)
+CASES = {"stage1": ["--stage", "1"], "stage2": ["--stage", "2"], "stage3": ["--stage", "3"],
+         "stage2_offload": ["--stage", "2", "--offload"]}
 
 
 @pytest.fixture(scope="module")
 def cnn_runs(tmp_path_factory):
+    """Every stage's job at once (start-up and checkpoint files dominate; they run side by side)."""
+    dirs = {name: tmp_path_factory.mktemp(name) for name in CASES}
+    procs = {name: start_torchrun(CLIENT, *args, "--out", str(dirs[name]), cwd=dirs[name]) for name, args in CASES.items()}
     runs = {}
-    for name, args in CASES.items():
-        out = tmp_path_factory.mktemp(name)
-        torchrun(CLIENT, *args, "--out", str(out), cwd=out)
-        runs[name] = [json.loads((out / f"result_{r}.json").read_text()) for r in (0, 1)]
+    for name, proc in procs.items():
+        finish(proc, timeout=600)
+        runs[name] = [json.loads((dirs[name] / f"result_{r}.json").read_text()) for r in (0, 1)]
     return runs
 
 
