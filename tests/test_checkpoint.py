@@ -259,17 +259,30 @@ def test_consolidate_weights_only_loads_without_lightning_zero(ckpt_dir, tmp_pat
     assert plain.returncode == 0 and "All keys matched" in plain.stdout, plain.stderr[-2000:]
 
 
-@pytest.mark.parametrize("case", ["file_as_dir", "missing", "out_is_dir", "no_output"])
-def test_consolidate_bad_input_is_one_line(ckpt_dir, tmp_path, case):
+@pytest.fixture(scope="module")
+def consolidate_errors(world2, ckpt_dir, tmp_path_factory):  # world2 writes the checkpoints
+    """The consolidate CLI on each bad input, all at once (each is mostly importing torch)."""
     import subprocess
     import sys
 
-    args = {"file_as_dir": [f"{ckpt_dir}/full.ckpt", str(tmp_path / "o.ckpt")],
-            "missing": [str(tmp_path / "nope.ckpt"), str(tmp_path / "o.ckpt")],
-            "out_is_dir": [f"{ckpt_dir}/a.ckpt", str(tmp_path)],
-            "no_output": [f"{ckpt_dir}/a.ckpt"]}[case]
-    done = subprocess.run([sys.executable, "-m", "lightning_zero.consolidate", *args], capture_output=True,
-                          text=True, timeout=120)
+    tmp_path = tmp_path_factory.mktemp("consolidate_errors")
+    cases = {"file_as_dir": [f"{ckpt_dir}/full.ckpt", str(tmp_path / "o.ckpt")],
+             "missing": [str(tmp_path / "nope.ckpt"), str(tmp_path / "o.ckpt")],
+             "out_is_dir": [f"{ckpt_dir}/a.ckpt", str(tmp_path)],
+             "no_output": [f"{ckpt_dir}/a.ckpt"]}
+    procs = {case: subprocess.Popen([sys.executable, "-m", "lightning_zero.consolidate", *args],
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for case, args in cases.items()}
+    out = {}
+    for case, proc in procs.items():
+        stdout, stderr = proc.communicate(timeout=180)
+        out[case] = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+    return out
+
+
+@pytest.mark.parametrize("case", ["file_as_dir", "missing", "out_is_dir", "no_output"])
+def test_consolidate_bad_input_is_one_line(consolidate_errors, case):
+    done = consolidate_errors[case]
     assert done.returncode == 2
     assert "Traceback" not in done.stderr
     last = done.stderr.strip().splitlines()[-1]
