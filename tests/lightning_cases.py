@@ -163,10 +163,11 @@ def fit_case(rank: int, world: int, module_name: str, strategy: str, precision: 
     """Fit one module under one strategy; returns losses, final full state dict and extras."""
     assert lightning_zero  # registers the names
     pl.seed_everything(0, verbose=False)
-    module = {"lm": TinyLM, "blocks": BlockLM, "gan": TinyGAN, "bn": BNNet, "encode": EncodeOnly}[module_name]()
+    module = {"lm": TinyLM, "blocks": BlockLM, "gan": TinyGAN, "bn": BNNet, "encode": EncodeOnly,
+              "rank_expert": RankExpertLM}[module_name]()
     if inject:
         module.inject_inf_at = set(inject)
-    lm = module_name in ("lm", "blocks")
+    lm = module_name in ("lm", "blocks", "rank_expert")
     data = lm_data() if lm else gan_data()
     plugins = [ZeroPrecision(plugin)] if plugin else None
     trainer = pl.Trainer(accelerator=accelerator, devices=world, strategy=make_strategy(strategy, **(options or {})),
@@ -194,6 +195,23 @@ def fit_case(rank: int, world: int, module_name: str, strategy: str, precision: 
     if plugin:
         out["scale"] = trainer.precision_plugin.loss_scale
     return out
+
+
+class RankExpertLM(TinyLM):
+    """TinyLM with an expert layer only rank 0 runs: on rank 1 its unit is not fully used, so the ranks step
+    different units during backward (offload's overlap) and must still publish alike."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.expert = nn.Linear(24, 24)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.emb(idx)
+        x = x + self.fc2(torch.relu(self.fc1(x)))
+        if self.global_rank == 0:  # in the middle: its unit comes between others in backward's order
+            x = x + torch.tanh(self.expert(x))
+        x = self.shared(torch.tanh(self.shared(x)))
+        return self.head(self.norm(self.frozen(x)))
 
 
 class Block(nn.Module):

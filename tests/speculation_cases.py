@@ -8,7 +8,8 @@ CPU = dict(offload_optimizer="cpu")
 SMALL_UNITS = dict(min_group_params=10, param_persistence_threshold=0)
 Z3 = dict(CPU, offload_params="cpu", **SMALL_UNITS)
 
-# name: (strategy, fit_case keywords); every case clips or scales the loss, so the host step speculates
+# name: (strategy, fit_case keywords); every case but the rank-expert one without clipping clips or scales the
+# loss, so the host step speculates; each is compared with the same fit stepping after backward
 CASES = {
     "zero2_clips": ("zero2", dict(accumulate=2, clip_val=0.5, options=dict(CPU, **SMALL_UNITS))),
     "zero2_never_clips": ("zero2", dict(accumulate=2, clip_val=1e6, options=dict(CPU, **SMALL_UNITS))),
@@ -19,6 +20,9 @@ CASES = {
     "zero3_clips_by_value": ("zero3", dict(clip_val=0.02, clip_algo="value", options=Z3)),
     "zero3_host_acc_clips": ("zero3", dict(accumulate=2, clip_val=0.5,
                                            options=dict(Z3, offload_accumulation="host"))),
+    # rank 1 never uses one expert: the ranks step different units during backward
+    "zero2_rank_expert_clips": ("zero2", dict(module="rank_expert", clip_val=0.5, options=dict(CPU, **SMALL_UNITS))),
+    "zero2_rank_expert": ("zero2", dict(module="rank_expert", options=dict(CPU, **SMALL_UNITS))),
 }
 
 
@@ -31,10 +35,11 @@ def run_speculation(rank: int, world: int) -> dict:
     out = {}
     try:
         for name, (strategy, kwargs) in CASES.items():
-            options = kwargs["options"]
-            out[name] = fit_case(rank, world, "lm", strategy, probe=False, **kwargs)
-            out[name + "_after"] = fit_case(rank, world, "lm", strategy, probe=False,
-                                            **dict(kwargs, options=dict(options, speculative_step=False)))
+            kwargs = dict(kwargs)
+            options, module = kwargs.pop("options"), kwargs.pop("module", "lm")
+            out[name] = fit_case(rank, world, module, strategy, probe=False, options=options, **kwargs)
+            out[name + "_after"] = fit_case(rank, world, module, strategy, probe=False,
+                                            options=dict(options, overlap_step=False), **kwargs)
     finally:
         overlap.HOST_STEP_CHUNK = chunk
     return out
