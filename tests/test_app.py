@@ -27,11 +27,24 @@ def _compose(*overrides: str):
         return compose("config", overrides=list(overrides))
 
 
-def _app(*args: str, cwd: Path, timeout: float) -> subprocess.CompletedProcess:
+def _start_app(*args: str, cwd: Path, **env: str) -> subprocess.Popen:
     # PYTHONPATH: the package is run from a checkout (it need not be installed).
-    env = job_env(PYTHONPATH=os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]))
-    return subprocess.run([sys.executable, "-m", "lightning_zero.train", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    environ = job_env(PYTHONPATH=os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]), **env)
+    return subprocess.Popen([sys.executable, "-m", "lightning_zero.train", *args], cwd=cwd, env=environ,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _finish(proc: subprocess.Popen, timeout: float) -> subprocess.CompletedProcess:
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+
+def _app(*args: str, cwd: Path, timeout: float) -> subprocess.CompletedProcess:
+    return _finish(_start_app(*args, cwd=cwd), timeout)
 
 
 # ---- composition -----------------------------------------------------------------------------------
@@ -153,17 +166,31 @@ def test_deepspeed_entry_reads_the_json() -> None:
     assert strategy.config.offload_optimizer == "cpu" and strategy.deepspeed.gradient_clip_val == 1.0
 
 
+TRAIN_CASES = {"zero2-fp32": (),
+               "zero1-bf16": ("strategy=zero1", "trainer.precision=bf16-mixed", "strategy.reduce_bucket_size=1000000"),
+               "zero3-sample-after-fit": ("strategy=zero3", "strategy.wrap_modules=[Block]"),
+               "deepspeed-json-offload": ("strategy=deepspeed", "strategy.deepspeed_config=" + str(
+                   Path(__file__).resolve().parents[1] / "examples" / "ds_config_tiny.json"))}
+
+
+@pytest.fixture(scope="module")
+def app_runs(tmp_path_factory):
+    """The four jobs side by side (each mostly starts Python, torch and Lightning twice), each on its own port."""
+    from dist_utils import free_port
+
+    dirs = {name: tmp_path_factory.mktemp(name) for name in TRAIN_CASES}
+    procs = {name: _start_app(*SMOKE, *extra, f"hydra.run.dir={dirs[name] / 'run'}", "trainer.accelerator=cpu",
+                              cwd=dirs[name], MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+             for name, extra in TRAIN_CASES.items()}
+    return {name: (dirs[name] / "run", _finish(proc, timeout=300)) for name, proc in procs.items()}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("extra", [(), ("strategy=zero1", "trainer.precision=bf16-mixed",
-                                        "strategy.reduce_bucket_size=1000000"),
-                                   ("strategy=zero3", "strategy.wrap_modules=[Block]"),
-                                   ("strategy=deepspeed", "strategy.deepspeed_config=" + str(
-                                       Path(__file__).resolve().parents[1] / "examples" / "ds_config_tiny.json"))],
-                         ids=["zero2-fp32", "zero1-bf16", "zero3-sample-after-fit", "deepspeed-json-offload"])
-def test_app_trains_on_two_cpu_ranks(tmp_path: Path, extra: tuple[str, ...]) -> None:
+@pytest.mark.parametrize("name", list(TRAIN_CASES))
+def test_app_trains_on_two_cpu_ranks(app_runs, name: str) -> None:
     """The real app, started from another directory: Lightning re-launches it for rank 1 under Hydra."""
-    run_dir = tmp_path / "run"
-    out = _app(*SMOKE, *extra, f"hydra.run.dir={run_dir}", "trainer.accelerator=cpu", cwd=tmp_path, timeout=180)
+    run_dir, out = app_runs[name]
+    extra = TRAIN_CASES[name]
     text = out.stdout + out.stderr
     assert out.returncode == 0, text[-4000:]
     assert re.search(r"finished step 4/4 +train/loss [0-9.]+ +val/loss [0-9.]+ +tokens/s [0-9,]+ +MFU n/a", text), \
