@@ -204,6 +204,9 @@ class RankExpertLM(TinyLM):
     def __init__(self) -> None:
         super().__init__()
         self.expert = nn.Linear(24, 24)
+        shared = self.shared  # registered again after the expert: the expert's units sit between others
+        del self.shared
+        self.shared = shared
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         x = self.emb(idx)
