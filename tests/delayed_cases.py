@@ -128,3 +128,28 @@ def run_delayed(rank: int, world: int) -> dict:
         out["reference_clip"] = stale_reference(world, clip=0.5)
         out["reference_half"] = stale_reference(world, stale=out["delayed_z2_half"]["stale"])
     return out
+
+
+def finetune_delayed(rank: int, world: int, ckpt: str) -> dict:
+    """BackboneFinetuning under delayed_step: the backbone's group arrives at epoch 1 with no optimizer state
+    (that step runs at once on every rank), then a checkpoint after epoch 2 and a resumed third epoch."""
+    from finetune_cases import FinetuneLM, UnfreezeOnResume
+    from model_zoo import zoo_data
+
+    def trainer(epochs: int) -> pl.Trainer:
+        return pl.Trainer(accelerator="cpu", devices=world, max_epochs=epochs, logger=False,
+                          strategy=ZeroStrategy(stage=2, offload_optimizer="cpu", delayed_step=True, reduce_bucket_size=300),
+                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                          num_sanity_val_steps=0, callbacks=[UnfreezeOnResume(unfreeze_backbone_at_epoch=1)])
+
+    pl.seed_everything(0, verbose=False)
+    first, t1 = FinetuneLM(False), trainer(2)
+    t1.fit(first, zoo_data())
+    t1.save_checkpoint(ckpt)
+    launched = t1.strategy._parked.offloader.delayed.launched
+    pl.seed_everything(0, verbose=False)
+    resumed, t2 = FinetuneLM(False), trainer(3)
+    t2.fit(resumed, zoo_data(), ckpt_path=ckpt)
+    state = {k: v.detach().cpu().clone() for k, v in t2.strategy.full_state_dict(rank0_only=False).items()}
+    return {"steps": (t1.global_step, t2.global_step), "launched": launched, "groups": len(t2.optimizers[0].param_groups),
+            "losses": first.losses + resumed.losses, "state": state}

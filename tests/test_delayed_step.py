@@ -69,3 +69,19 @@ def test_delayed_step_refuses_what_it_cannot_do():
         ZeroConfig(stage=3, offload_optimizer="cpu", offload_params="cpu", delayed_step=True)
     with pytest.raises(ZeroConfigError, match="offload_optimizer='cpu'"):
         ZeroConfig(stage=2, offload_optimizer="nvme", nvme_path="/tmp", delayed_step=True)
+
+
+@pytest.mark.slow
+def test_delayed_step_with_backbone_finetuning_and_resume(tmp_path):
+    from delayed_cases import finetune_delayed
+
+    runs = run_ranks(finetune_delayed, 2, str(tmp_path / "ft.ckpt"), lightning=True)
+    for run in runs:
+        first, total = run["steps"]
+        assert total > first > 0 and run["groups"] == 2  # the backbone's group came, and came back on resume
+        # every step but the very first and the one that brought the backbone's group (no state yet) was delayed
+        assert run["launched"] == first - 2
+        assert all(torch.isfinite(v).all() for v in run["state"].values())
+        assert sum(run["losses"][-4:]) < sum(run["losses"][:4])
+    for key, value in runs[0]["state"].items():
+        assert torch.equal(value, runs[1]["state"][key]), key
