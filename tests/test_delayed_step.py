@@ -10,6 +10,12 @@ from dist_utils import run_ranks
 from lightning_zero import ZeroConfig, ZeroConfigError
 
 
+def assert_follows_rule(state: dict, rule: dict) -> None:
+    """The fit's state (the module's keys) equals the plain-PyTorch rule's (the bare network's keys)."""
+    for name, value in rule.items():
+        torch.testing.assert_close(state["net." + name], value, rtol=1e-5, atol=1e-6)
+
+
 @pytest.fixture(scope="module")
 def world2():
     from delayed_cases import run_delayed
@@ -23,8 +29,7 @@ def test_delayed_step_is_the_one_step_stale_update(world2):
     for results in world2:
         run = results["delayed"]
         assert run["steps"] == 8 and run["launched"] == run["steps"] - 1  # all but the first, which creates state
-        for name, value in ref.items():
-            torch.testing.assert_close(run["state"]["net." + name], value, rtol=1e-5, atol=1e-6)
+        assert_follows_rule(run["state"], ref)
         # and it is not the exact training: the test can tell them apart
         diff = max((run["state"][k] - results["exact"]["state"][k]).abs().max().item() for k in run["state"])
         assert diff > 1e-3
@@ -36,8 +41,7 @@ def test_state_read_mid_training_sees_every_update_so_far(world2):
     # a checkpoint or full_state_dict() after step 3 waits for the update still running on the worker
     after3 = world2[0]["reference"]["after"][2]
     for results in world2:
-        for name, value in after3.items():
-            torch.testing.assert_close(results["delayed"]["state_at_3"]["net." + name], value, rtol=1e-5, atol=1e-6)
+        assert_follows_rule(results["delayed"]["state_at_3"], after3)
 
 
 @pytest.mark.slow
@@ -46,8 +50,7 @@ def test_delayed_step_under_stage3_and_clipping_is_the_same_rule(world2):
     for results in world2:
         run = results["delayed_z3_clip"]
         assert run["launched"] == run["steps"] - 1
-        for name, value in ref.items():
-            torch.testing.assert_close(run["state"]["net." + name], value, rtol=1e-5, atol=1e-6)
+        assert_follows_rule(run["state"], ref)
 
 
 @pytest.mark.slow
@@ -58,8 +61,7 @@ def test_delayed_step_with_part_of_the_state_offloaded_is_late_only_there(world2
         run = results["delayed_z2_half"]
         assert run["launched"] == run["steps"] - 1
         assert 0 < len(run["stale"]) < len(ref)  # some parameters offloaded, not all
-        for name, value in ref.items():
-            torch.testing.assert_close(run["state"]["net." + name], value, rtol=1e-5, atol=1e-6)
+        assert_follows_rule(run["state"], ref)
 
 
 def test_delayed_step_refuses_what_it_cannot_do():

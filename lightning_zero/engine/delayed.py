@@ -32,6 +32,8 @@ import torch
 from torch import nn
 from torch.profiler import record_function
 
+from .optim import fuse_on_host
+
 __all__ = ["DelayedStep"]
 
 
@@ -54,7 +56,8 @@ class DelayedStep:
     def launch(self, optimizer: torch.optim.Optimizer, pieces_by_group: list[list[nn.Parameter]],
                units: list[Any], fused: bool, after: Any = None) -> None:
         """Hand the update of ``pieces_by_group`` (this rank's offloaded pieces with a gradient, per group of
-        ``optimizer``) to the worker; ``units`` are published when it is done. ``after``: a CUDA event the
+        ``optimizer``) to the worker; ``units`` are published when it is done. ``fused``: use torch's fused CPU
+        kernel where :func:`fuse_on_host` allows (a GPU computes; as the regular host step). ``after``: a CUDA event the
         worker waits for first (the copies that publish the previous update read the pinned master
         asynchronously: it must not change under them)."""
         assert self.future is None, "settle() the running update first"
@@ -70,7 +73,7 @@ class DelayedStep:
                 shadow.state[twin] = optimizer.state[piece]  # the same dict: the update lands in the real state
                 params.append(twin)
             snapshot = {k: v for k, v in group.items() if k != "params"}
-            if fused and "fused" in snapshot and not snapshot.get("foreach") and not snapshot.get("differentiable"):
+            if fused and fuse_on_host(optimizer, group):
                 snapshot["fused"] = True
             groups.append({**snapshot, "params": params})
         shadow.param_groups = groups

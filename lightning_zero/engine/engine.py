@@ -538,18 +538,20 @@ class ZeroEngine:
         if self.offloader is not None:
             self.offloader.settle(self.republish if publish else None)
 
+    def _everywhere(self, flags: list[bool]) -> list[bool]:
+        """Each flag true on every rank (one all-reduce; the same list length on every rank)."""
+        if self.comm.world_size == 1 or not flags:
+            return flags
+        false_somewhere = torch.tensor([0.0 if f else 1.0 for f in flags], device=self.device)
+        self.comm.all_reduce(false_somewhere, op="max")
+        return [w == 0.0 for w in false_somewhere.tolist()]
+
     def _on_every_rank(self, flag: bool) -> bool:
-        if self.comm.world_size == 1:
-            return flag
-        return not bool(self.comm.all_reduce(torch.tensor([0.0 if flag else 1.0], device=self.device), op="max")[0])
+        return self._everywhere([flag])[0]
 
     def _stepped_everywhere(self, early: set[int], units: list[FlatUnit]) -> set[int]:
         """Of ``units`` (the same list on every rank), those every rank stepped during backward."""
-        if self.comm.world_size == 1 or not units:
-            return early
-        waiting = torch.tensor([0.0 if u.index in early else 1.0 for u in units], device=self.device)
-        self.comm.all_reduce(waiting, op="max")
-        return {u.index for u, w in zip(units, waiting.tolist()) if w == 0.0}
+        return {u.index for u, done in zip(units, self._everywhere([u.index in early for u in units])) if done}
 
     def skip_step(self, optimizer: torch.optim.Optimizer) -> None:
         """No step for ``optimizer`` this window (fp16 overflow): values and state unchanged."""
@@ -558,8 +560,7 @@ class ZeroEngine:
         if self._speculating():  # units stepped during backward get their values back, on the device too
             self.offloader.reject_speculation()
             self.offloader.overlap.drain()
-            mine = {id(p) for group in unwrap(optimizer).param_groups for p in group["params"]}
-            self.republish([u for u in self.offloader.units if any(id(p) in mine for p in u.params)])
+            self.republish(self.offloader.units_of(optimizer))
         if self.free_grads_at_step:
             self._drop_grads(self.slots_of(optimizer))
 

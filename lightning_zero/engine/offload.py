@@ -42,7 +42,7 @@ from ..partition import plan_offload
 from .delayed import DelayedStep
 from .flat_unit import FlatUnit
 from .host import HOST_STEP_CHUNK, HostArena, HostBackend
-from .optim import lazy_state_bytes, pieces_in_groups, unwrap
+from .optim import fuse_on_host, lazy_state_bytes, pieces_in_groups, unwrap
 from .overlap import OverlapWorker
 from .swap import ASSUMED_STATE_KEYS, NvmeBackend, resolve_nvme_dir
 
@@ -50,7 +50,6 @@ __all__ = ["Offloader", "HOST_STEP_CHUNK"]
 
 log = logging.getLogger(__name__)
 
-_FUSABLE = tuple(getattr(torch.optim, n) for n in ("Adam", "AdamW", "SGD", "Adagrad") if hasattr(torch.optim, n))
 PieceOf = Callable[[Any], Any]
 
 
@@ -123,16 +122,11 @@ class Offloader:
         """Gradient chunks added on the host so far (``offload_accumulation="host"``)."""
         return self._adder.added if self._adder is not None else 0
 
-    def pending_host_bytes(self, optimizers: Sequence[Any]) -> int:
-        """Host bytes the next step still allocates: the state an optimizer creates lazily at its first step for
-        the offloaded pieces it has none for yet (in host memory; the NVMe backend's buffers exist already)."""
-        if self.store is not None and self.store.masters:
-            return 0
-        total = 0
+    def _offloaded_pieces(self, optimizers: Sequence[Any]) -> Iterator[tuple[torch.optim.Optimizer, dict, Any]]:
+        """(optimizer, group, piece) for this rank's piece of every trainable offloaded parameter of ``optimizers``."""
         for optimizer in optimizers:
             inner = unwrap(optimizer)
             for group in inner.param_groups:
-                per_elem = lazy_state_bytes(inner, group)
                 for p in group["params"]:
                     try:
                         if not p.requires_grad or self.unit_of(p).index not in self.indices:
@@ -140,9 +134,16 @@ class Offloader:
                         piece = self.piece_of(p)
                     except KeyError:  # not one of the engine's parameters: stepped where it lives
                         continue
-                    if piece is not None and not inner.state.get(piece):
-                        total += piece.numel() * per_elem
-        return total
+                    if piece is not None:
+                        yield inner, group, piece
+
+    def pending_host_bytes(self, optimizers: Sequence[Any]) -> int:
+        """Host bytes the next step still allocates: the state an optimizer creates lazily at its first step for
+        the offloaded pieces it has none for yet (in host memory; the NVMe backend's buffers exist already)."""
+        if self.store is not None and self.store.masters:
+            return 0
+        return sum(piece.numel() * lazy_state_bytes(inner, group)
+                   for inner, group, piece in self._offloaded_pieces(optimizers) if not inner.state.get(piece))
 
     @property
     def offloaded_numel(self) -> int:
@@ -188,18 +189,8 @@ class Offloader:
 
     def speculation_bytes(self, optimizers: Sequence[Any]) -> int:
         """Host bytes the backups of speculative steps take (master and state of every offloaded piece)."""
-        total = 0
-        for optimizer in optimizers:
-            inner = unwrap(optimizer)
-            for group in inner.param_groups:
-                per_elem = 4 + max(lazy_state_bytes(inner, group), 4 if type(inner).__name__ == "Adagrad" else 0)
-                for p in group["params"]:
-                    try:
-                        if p.requires_grad and self.unit_of(p).index in self.indices and self.piece_of(p) is not None:
-                            total += self.piece_of(p).numel() * per_elem
-                    except KeyError:
-                        continue
-        return total
+        return sum(piece.numel() * (4 + max(lazy_state_bytes(inner, group), 4 if type(inner).__name__ == "Adagrad" else 0))
+                   for inner, group, piece in self._offloaded_pieces(optimizers))
 
     # ---- gradients -------------------------------------------------------------------------
     @torch.no_grad()
@@ -289,7 +280,6 @@ class Offloader:
         if self._adder is not None:
             self._adder.wait()
 
-    # ---- the step -------------------------------------------------------------------------
     # ---- the delayed step ---------------------------------------------------------------------
     def settle(self, publish: Optional[Callable[[list[FlatUnit]], None]] = None) -> None:
         """Wait for the delayed update, if one runs (the master and state are then whole); with ``publish``
@@ -320,9 +310,15 @@ class Offloader:
         if self.cuda:  # everything queued so far (the previous update's uploads from the master) runs first
             after = torch.cuda.Event()
             after.record()
-        self.delayed.launch(optimizer, by_group, units, fused=self.cuda, after=after)
+        self.delayed.launch(optimizer, by_group, units, fused=self.cuda, after=after)  # fused: as _fast_host_kernels
         self.grads, self._spare_grads = self._spare_grads, self.grads  # the next window lands in the other arena
         return True
+
+    # ---- the step -------------------------------------------------------------------------
+    def units_of(self, optimizer: torch.optim.Optimizer) -> list[FlatUnit]:
+        """The offloaded units holding parameters of ``optimizer`` (the same list on every rank)."""
+        mine = {id(p) for group in unwrap(optimizer).param_groups for p in group["params"]}
+        return [u for u in self.units if any(id(p) in mine for p in u.params)]
 
     def step(self, optimizer: torch.optim.Optimizer, inner: Callable[[], Any],
              publish: Callable[[list[FlatUnit]], None],
@@ -337,8 +333,7 @@ class Offloader:
         """
         early = self.overlap.drain() if self.overlap is not None else set()
         self.wait_copies()
-        mine = {id(p) for group in optimizer.param_groups for p in group["params"]}
-        units = [u for u in self.units if any(id(p) in mine for p in u.params)]
+        units = self.units_of(optimizer)
         everywhere = agree(early, units) if self.overlap is not None else early
         units = [u for u in units if u.index not in everywhere]
 
@@ -399,10 +394,9 @@ class Offloader:
         as fast as a hand-written CPU Adam) unless the user chose an implementation (foreach/fused/
         capturable/differentiable)."""
         flipped = []
-        if self.cuda and isinstance(optimizer, _FUSABLE):
+        if self.cuda:
             for group in optimizer.param_groups:
-                if ("fused" in group and not group["fused"] and not group.get("foreach")
-                        and not group.get("capturable") and not group.get("differentiable")):
+                if fuse_on_host(optimizer, group):
                     flipped.append((group, group["fused"]))
                     group["fused"] = True
         try:

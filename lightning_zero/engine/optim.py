@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 __all__ = ["ELEMENTWISE_OPTIMIZERS", "UnsupportedOptimizerError", "check_optimizer", "Routes", "pieces_in_groups",
-           "lazy_state_bytes", "unwrap"]
+           "lazy_state_bytes", "unwrap", "fuse_on_host"]
 
 ELEMENTWISE_OPTIMIZERS: tuple[type, ...] = tuple(
     getattr(torch.optim, name) for name in
@@ -169,6 +169,17 @@ def lazy_state_bytes(optimizer: torch.optim.Optimizer, group: dict) -> int:
     if name == "RMSprop":
         return 4 * (1 + bool(group.get("momentum", 0)) + bool(group.get("centered", False)))
     return 4 * (2 + bool(group.get("amsgrad", False)))  # Adam and its kin: two moments (three with amsgrad)
+
+
+_FUSABLE: tuple[type, ...] = tuple(getattr(torch.optim, n) for n in ("Adam", "AdamW", "SGD", "Adagrad")
+                                    if hasattr(torch.optim, n))
+
+
+def fuse_on_host(optimizer: torch.optim.Optimizer, group: dict) -> bool:
+    """Whether a host step of ``group`` may switch to torch's fused CPU kernel: an optimizer that has one, and the
+    user chose no implementation (foreach / fused / capturable / differentiable)."""
+    return (isinstance(optimizer, _FUSABLE) and "fused" in group and not group["fused"] and not group.get("foreach")
+            and not group.get("capturable") and not group.get("differentiable"))
 
 
 @contextmanager
