@@ -271,6 +271,7 @@ def _figures(row: Placement, hw: Hardware) -> str:
 
 
 ACTIVATION_SHARE = 0.25  # zero_auto plans before any step ran: this share of GPU memory stays free for activations
+ACTIVATION_FLOOR = 0.08  # when nothing fits with that share: a provisional plan the first step then checks (replan.py)
 
 
 def gpu_budget(device: Any) -> int:
@@ -285,9 +286,10 @@ def gpu_budget(device: Any) -> int:
     return int(min(total * fraction, free + torch.cuda.memory_reserved(device)))
 
 
-def hardware_here(device: object, gpus_per_node: int, nodes: int, config: ZeroConfig) -> Hardware:
-    """The node this process runs on: the GPU memory this process may use, the host memory the node (its
-    cgroup) can still give (see host_memory) and the NVMe directory's free space."""
+def hardware_here(device: object, gpus_per_node: int, nodes: int, config: ZeroConfig,
+                  activation_share: float = ACTIVATION_SHARE) -> Hardware:
+    """The node this process runs on: the GPU memory this process may use less ``activation_share`` of it,
+    the host memory the node (its cgroup) can still give (see host_memory) and the NVMe directory's free space."""
     import os
     import shutil
 
@@ -300,7 +302,7 @@ def hardware_here(device: object, gpus_per_node: int, nodes: int, config: ZeroCo
     nvme = shutil.disk_usage(path).free if path and os.path.isdir(path) else 0
     if not gpu:  # CPU training: "device" memory is the host's, shared by the ranks of the node
         gpu = host // max(gpus_per_node, 1)
-    return Hardware(gpus_per_node=gpus_per_node, nodes=nodes, gpu_bytes=int(gpu * (1 - ACTIVATION_SHARE)),
+    return Hardware(gpus_per_node=gpus_per_node, nodes=nodes, gpu_bytes=int(gpu * (1 - activation_share)),
                     host_bytes=host, nvme_bytes=nvme)
 
 
@@ -312,13 +314,45 @@ def host_bytes_per_rank(num_params: int, config: ZeroConfig, world: int, compute
 
 
 def plan_for_run(module: Any, device: Any, gpus_per_node: int, nodes: int, config: ZeroConfig, compute_dtype: Any,
-                 accumulate: int, activations: int = 0) -> list:
-    """``[config as a dict, why]``: what ``zero_auto`` chooses for this module on this machine (``activations``:
-    room known to be needed beyond the share kept free, after the first step ran out of memory)."""
+                 accumulate: int, activations: int = 0, measured: Optional[int] = None) -> list:
+    """``[config as a dict, why]``: what ``zero_auto`` chooses for this module on this machine.
+
+    Before any step ran (``measured`` None) a share of the GPU stays free for activations (``activations``:
+    room known to be needed beyond it, after the first step ran out of memory); when nothing fits so, a
+    smaller share on a GPU, the first step's measurement then decides (replan.py). With ``measured`` (the
+    activation bytes the first step used, margin included) nothing else is kept back."""
     import torch
 
     numel = sum(p.numel() for p in module.parameters())
-    choice = choose(numel, hardware_here(device, gpus_per_node, nodes, config), config,
-                    compute_bytes=2 if compute_dtype != torch.float32 else 4, accumulate=accumulate,
-                    activations=activations)
-    return [choice.config.to_dict(), choice.why]
+    kwargs = dict(compute_bytes=2 if compute_dtype != torch.float32 else 4, accumulate=accumulate)
+    if measured is not None:
+        choice = choose(numel, hardware_here(device, gpus_per_node, nodes, config, 0.0), config,
+                        activations=measured, **kwargs)
+        return [choice.config.to_dict(), f"{choice.why}; activations as measured in the first step: "
+                                         f"{measured / GiB:.2f} GiB with the margin"]
+    try:
+        choice = choose(numel, hardware_here(device, gpus_per_node, nodes, config), config,
+                        activations=activations, **kwargs)
+        note = f"{ACTIVATION_SHARE:.0%} of the GPU kept for activations until the first step measures them"
+    except ValueError:
+        if getattr(device, "type", "") != "cuda":
+            raise
+        choice = choose(numel, hardware_here(device, gpus_per_node, nodes, config, ACTIVATION_FLOOR), config,
+                        activations=activations, **kwargs)
+        note = (f"provisional: nothing fits with {ACTIVATION_SHARE:.0%} of the GPU kept for activations, so "
+                f"{ACTIVATION_FLOOR:.0%} until the first step measures them")
+    return [choice.config.to_dict(), f"{choice.why}; {note}"]
+
+
+def offloaded_share(config: ZeroConfig) -> float:
+    """The share of the model states a placement keeps off the GPU (for comparing two placements)."""
+    return config.offload_fraction if config.offloads else 0.0
+
+
+def lighter(new: ZeroConfig, old: ZeroConfig, min_gain: float = 0.05) -> bool:
+    """Whether ``new`` moves clearly less over PCIe than ``old`` (worth rebuilding the engine for): at least
+    ``min_gain`` less of the states offloaded, or the same offload at a lower stage (no gathers)."""
+    a, b = offloaded_share(new), offloaded_share(old)
+    if a <= b - min_gain or (b > 0 and a == 0):
+        return True
+    return a == b and new.stage < old.stage

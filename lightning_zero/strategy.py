@@ -82,6 +82,7 @@ class ZeroStrategy(ParallelStrategy):
         self._auto_config: Optional[ZeroConfig] = None  # zero_auto: the config it plans from (see replan.py)
         self._replanner = Replanner()
         self._step_args: Optional[tuple] = None
+        self._overlap_after_first: Optional[tuple] = None  # zero_auto: (optimizer, speculate) once re-plans are over
         self._dumping = False  # inside the trainer's building of a checkpoint dict (see lightning_module_state_dict)
 
     # ---- what Lightning asks of a parallel strategy ---------------------------------------
@@ -272,12 +273,17 @@ class ZeroStrategy(ParallelStrategy):
             speculate = lightning_loop.gradient_changers(trainer, self.precision_plugin.scaler is not None)
             if blocker is None and speculate:
                 blocker = engine.speculation_blocker(optimizers, self.num_processes)
+            if blocker is None and fitting and self._auto_config is not None and self.world_size == 1:
+                # zero_auto may still re-plan in its first step (replan.py): the masters must keep their initial
+                # values until then, so the host steps after backward once and overlaps from the second step on
+                self._overlap_after_first = (optimizers[0], speculate)
+                blocker = "zero_auto's first step, which may still plan again; overlapped from the second step"
             rank_zero_info(engine.overlap_step(optimizers[0] if blocker is None else None, blocker, speculate))
             self._place_host_threads()
         if self.config.shard_params:
             install_summary(trainer)
 
-    def _plan_placement(self, trainer: Any) -> None:
+    def _plan_placement(self, trainer: Any, measured: Optional[int] = None) -> None:
         """zero_auto: the planner picks stage and offload for these devices and this model (rank 0 decides)."""
         from .planner import plan_for_run
 
@@ -286,7 +292,7 @@ class ZeroStrategy(ParallelStrategy):
         config, why = self.comm.broadcast_object(plan_for_run(
             self.lightning_module, self.root_device, self.num_processes, self.num_nodes, self._auto_config,
             self.precision_plugin.compute_dtype, int(trainer.accumulate_grad_batches or 1),
-            activations=self._replanner.extra), src=0)
+            activations=self._replanner.extra, measured=measured), src=0)
         self.config = ZeroConfig.from_dict(config)
         self.precision_plugin.configure(self.config, explicit=False)
         log.info("lightning_zero zero_auto: %s", why)
@@ -294,6 +300,7 @@ class ZeroStrategy(ParallelStrategy):
 
     def _may_replan(self) -> bool:
         return (self._auto_config is not None and self.engine is not None
+                and self.lightning_module.trainer.global_step == 0  # an optimizer without state stepped too
                 and self._replanner.possible(self.world_size, list(self.optimizers)))
 
     def _replan(self, error: BaseException) -> None:
@@ -308,7 +315,7 @@ class ZeroStrategy(ParallelStrategy):
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         try:
-            self._plan_placement(trainer)
+            self._plan_placement(trainer, self._measured_plan())
         except ValueError as err:
             raise error from err
         if placement_name(self.config) == before:
@@ -318,6 +325,60 @@ class ZeroStrategy(ParallelStrategy):
         rank_zero_warn(f"lightning_zero zero_auto: out of GPU memory in the first step under {before}; planned again "
                        f"with {extra / 2**30:.2f} GiB more for activations: {placement_name(self.config)}, and ran "
                        f"the step again")
+
+    def _overlap_from_now(self) -> None:
+        """zero_auto after its first step: the host steps during backward from now on (see _build_engine)."""
+        optimizer, speculate = self._overlap_after_first
+        self._overlap_after_first = None
+        blocker = self.engine.speculation_blocker(list(self.optimizers), self.num_processes) if speculate else None
+        rank_zero_info(self.engine.overlap_step(None if blocker else optimizer, blocker, speculate))
+
+    def _measured_plan(self) -> Optional[int]:
+        return None if self._replanner.measured is None else self._replanner.planned_activations()
+
+    def _probe_first_step(self) -> bool:
+        """After the first backward under zero_auto (one rank, automatic optimization): read the activation
+        memory it used and move to a placement with less traffic when the measurement leaves room for one.
+        True when the engine was rebuilt (the batch must run again); see replan.py."""
+        from .host_memory import read_host_budget
+        from .planner import lighter, placement_name, plan_for_run
+
+        measured = self._replanner.meter.read()
+        if measured is None or self._replanner.measured is not None:
+            return False
+        self._replanner.measured = measured
+        trainer = self.lightning_module.trainer
+        before, measured_gib = placement_name(self.config), f"{measured / 2**30:.2f} GiB"
+        try:
+            config, why = plan_for_run(self.lightning_module, self.root_device, self.num_processes, self.num_nodes,
+                                       self._auto_config, self.precision_plugin.compute_dtype,
+                                       int(trainer.accumulate_grad_batches or 1), measured=self._measured_plan())
+            found: Optional[ZeroConfig] = ZeroConfig.from_dict(config)
+        except ValueError:  # the running placement fits (it just ran); the estimate is stricter
+            found = None
+        if found is None or not lighter(found, self.config):
+            rank_zero_info(f"lightning_zero zero_auto: the first step used {measured_gib} for activations; "
+                           f"{before} stays")
+            return False
+        module_bytes = 4 * sum(p.numel() for p in self.lightning_module.parameters())
+        budget = read_host_budget(self.num_processes)
+        if module_bytes + budget.headroom_per_rank > budget.per_rank:  # the switch hands the module back in host memory
+            rank_zero_info(f"lightning_zero zero_auto: the first step used {measured_gib} for activations, so "
+                           f"{placement_name(found)} would fit, but moving there needs the fp32 module "
+                           f"({module_bytes / 2**30:.1f} GiB) in host memory and the host can give "
+                           f"{budget.describe()}: {before} stays (name the lighter placement to start with it)")
+            return False
+        self._release_engine()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        self.config = found
+        self.precision_plugin.configure(self.config, explicit=False)
+        self.model_to_device()
+        self._build_engine(trainer, fitting=True)
+        rank_zero_warn(f"lightning_zero zero_auto: the first step used {measured_gib} for activations, less than "
+                       f"kept free: moved from {before} to {placement_name(self.config)} and ran the step again "
+                       f"({why})")
+        return True
 
     def model_to_device(self) -> None:
         assert self.model is not None
@@ -354,8 +415,12 @@ class ZeroStrategy(ParallelStrategy):
             self._recheck_host_memory()
         if not self._may_replan():
             self._step_args = None
+            if self._overlap_after_first is not None:
+                self._overlap_from_now()
             return self._training_step(*args, **kwargs)
         self._step_args = (args, kwargs)
+        if self._replanner.measured is None and self.lightning_module.automatic_optimization:
+            self._replanner.meter.start(self.root_device)
         try:
             return self._training_step(*args, **kwargs)
         except OOM as error:
@@ -372,14 +437,22 @@ class ZeroStrategy(ParallelStrategy):
         if self._step_args is None or not self._may_replan():
             return super().backward(closure_loss, optimizer, *args, **kwargs)
         try:
-            return super().backward(closure_loss, optimizer, *args, **kwargs)
+            done = super().backward(closure_loss, optimizer, *args, **kwargs)
         except OOM as error:
             del closure_loss
             self._replan(error)  # the forward's graph is gone with the old engine: run the batch again
-            step_args, step_kwargs = self._step_args
-            out = self.training_step(*step_args, **step_kwargs)
-            loss = out["loss"] if isinstance(out, Mapping) else out
-            return super().backward(loss, optimizer, *args, **kwargs)
+            return self._run_batch_again(optimizer, *args, **kwargs)
+        if self.lightning_module.automatic_optimization and self._probe_first_step():
+            del closure_loss, done
+            return self._run_batch_again(optimizer, *args, **kwargs)
+        return done
+
+    def _run_batch_again(self, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
+        """The first batch under the placement planned again (still before any optimizer step)."""
+        step_args, step_kwargs = self._step_args
+        out = self.training_step(*step_args, **step_kwargs)
+        loss = out["loss"] if isinstance(out, Mapping) else out
+        return self.backward(loss, optimizer, *args, **kwargs)
 
     def _training_step(self, *args: Any, **kwargs: Any) -> Any:
         self.engine.before_training_forward()
@@ -601,7 +674,7 @@ class ZeroStrategy(ParallelStrategy):
 
         The module may still be sharded by the stage-3 engine of an earlier Trainer (its fit kept the
         module sharded): that engine gives the values back first."""
-        self._parked = None
+        self._parked, self._overlap_after_first = None, None
         kept = process_group.take_kept_engine(self.lightning_module)
         for engine in {id(e): e for e in (self.engine, kept) if e is not None}.values():
             engine.unflatten(torch.device("cpu"))  # one unit at a time on the device; model_to_device follows

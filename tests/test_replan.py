@@ -101,3 +101,158 @@ def test_requested_bytes_is_read_from_torch_messages():
     assert requested_bytes("CUDA out of memory. Tried to allocate 1.50 GiB (GPU 0; 79.1 GiB total)") == int(1.5 * 2**30)
     assert requested_bytes("Tried to allocate 20.00 MiB") == 20 * 2**20
     assert requested_bytes("out of memory") == 0
+
+
+# ---- the first step as a probe: the plan follows the measured activations -----------------------------------------
+WIDE_PARAMS = 1024 * 2048 + 2048 + 2048 * 8192 + 8192 + 8192 + 1  # the wider MLP below: 18.9M parameters
+USED = 40 * 2**20  # the activation bytes the simulated GPU reports for its first step
+
+
+class Wide(NeedsActivationRoom):
+    """Raises torch's out-of-memory error when the running placement leaves less than USED for activations."""
+
+    def __init__(self, hw=None) -> None:
+        super().__init__(hw)
+        self.net = nn.Sequential(nn.Linear(1024, 2048), nn.ReLU(), nn.Linear(2048, 8192), nn.ReLU(),
+                                 nn.Linear(8192, 1))
+
+    def _check(self) -> None:
+        strategy = self.trainer.strategy
+        if self.hw is not None and hasattr(strategy, "config"):
+            row = planner.estimate(self.n_params, strategy.config, self.hw, compute_bytes=4)
+            if row.gpu_total + USED > row.gpu_total_cap:
+                self.ooms += 1
+                raise OOM(f"CUDA out of memory. Tried to allocate {USED / 2**20:.2f} MiB.")
+
+    @property
+    def n_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+
+class SimulatedMeter:
+    """The allocator peak a CUDA run reads in its first step: here the simulated GPU's figure."""
+
+    def __init__(self, used: int) -> None:
+        self.used, self.starts = used, 0
+
+    def start(self, device) -> None:
+        self.starts += 1
+
+    def read(self):
+        return self.used if self.starts else None
+
+
+def _gpu_of(total: int):
+    """hardware_here for a simulated GPU of ``total`` bytes (honouring the share zero_auto keeps back)."""
+    def here(device, gpus_per_node, nodes, config, activation_share=planner.ACTIVATION_SHARE):
+        return planner.Hardware(gpu_bytes=int(total * (1 - activation_share)), host_bytes=64 * 2**30)
+    return here
+
+
+def _probe_gpu(n_params: int) -> int:
+    """A GPU on which zero2 does not fit while a quarter is kept for activations, and fits with what the first
+    step measured (with the margin)."""
+    z2 = planner.estimate(n_params, lightning_zero.ZeroConfig(stage=2), planner.Hardware(), compute_bytes=4)
+    total = int((z2.gpu_total + int(planner_margin(USED) * 1.05)) / planner.HEADROOM)
+    assert z2.gpu_total > (1 - planner.ACTIVATION_SHARE) * total * planner.HEADROOM, "the share must rule zero2 out"
+    return total
+
+
+def planner_margin(used: int) -> int:
+    from lightning_zero.replan import Replanner
+
+    r = Replanner()
+    r.measured = used
+    return r.planned_activations()
+
+
+def _fit_probed(module, meter, steps=4):
+    assert lightning_zero
+    pl.seed_everything(0, verbose=False)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy="zero_auto", max_steps=steps, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         use_distributed_sampler=False)
+    trainer.strategy._replanner.meter = meter
+    g = torch.Generator().manual_seed(1)
+    trainer.fit(module, DataLoader(TensorDataset(torch.randn(32, 1024, generator=g)), batch_size=8))
+    return trainer
+
+
+def test_the_first_step_measures_and_moves_to_a_lighter_placement_without_losing_the_step(monkeypatch):
+    total = _probe_gpu(WIDE_PARAMS)
+    monkeypatch.setattr(planner, "hardware_here", _gpu_of(total))
+    hw = planner.Hardware(gpu_bytes=total, host_bytes=64 * 2**30)
+    first = planner.choose(WIDE_PARAMS, _gpu_of(total)(None, 1, 1, None), lightning_zero.ZeroConfig(),
+                           compute_bytes=4).name
+    assert first != "zero2"
+    pl.seed_everything(0, verbose=False)
+    module, meter = Wide(hw), SimulatedMeter(USED)
+    assert module.n_params == WIDE_PARAMS
+    with pytest.warns(UserWarning, match=f"first step used 0.04 GiB for activations, less than kept free: moved from "
+                                         f"{first} to zero2 and ran the step again"):
+        trainer = _fit_probed(module, meter)
+    assert trainer.strategy.config.stage == 2 and not trainer.strategy.config.offloads
+    assert module.ooms == 0 and trainer.global_step == 4 and trainer.strategy._replanner.measured == USED
+    pl.seed_everything(0, verbose=False)
+    reference = Wide()
+    _fit("auto", reference)
+    got = {k: v.detach() for k, v in module.state_dict().items()}
+    for name, value in reference.state_dict().items():
+        assert torch.allclose(got[name], value, rtol=1e-5, atol=1e-6), name
+    assert module.losses[-4:] == pytest.approx(reference.losses, rel=1e-5)
+    assert len(module.losses) == 5  # the first batch ran twice (probe, then under zero2), no other
+
+
+def test_a_measurement_that_needs_the_room_keeps_the_placement(monkeypatch, caplog):
+    total = _probe_gpu(WIDE_PARAMS)
+    monkeypatch.setattr(planner, "hardware_here", _gpu_of(total))
+    module = Wide(None)
+    with caplog.at_level("INFO"):
+        trainer = _fit_probed(module, SimulatedMeter(total // 4))  # as much as was kept free
+    assert trainer.strategy.config.to_dict()["stage"] != 2 or trainer.strategy.config.offloads
+    assert len(module.losses) == 4  # no batch ran twice
+    assert "first step used" in caplog.text and "stays" in caplog.text
+
+
+def test_no_move_when_the_host_cannot_take_the_module_back(monkeypatch, caplog):
+    from lightning_zero import host_memory
+
+    total = _probe_gpu(WIDE_PARAMS)
+    monkeypatch.setattr(planner, "hardware_here", _gpu_of(total))
+    tiny = host_memory.HostBudget(per_rank=32 * 2**20, node_free=32 * 2**20, ranks_on_node=1,
+                                  mem_available=32 * 2**20, cgroup_free=None, cgroup_limit=None, source="a test")
+    monkeypatch.setattr(host_memory, "read_host_budget", lambda *args, **kwargs: tiny)
+    module = Wide(None)
+    with caplog.at_level("INFO"):
+        trainer = _fit_probed(module, SimulatedMeter(USED))
+    assert trainer.strategy.config.stage != 2 or trainer.strategy.config.offloads
+    assert len(module.losses) == 4
+    assert "needs the fp32 module (0.1 GiB) in host memory" in caplog.text
+
+
+def test_nothing_measured_on_the_cpu_keeps_the_first_plan(monkeypatch):
+    total = _probe_gpu(WIDE_PARAMS)
+    monkeypatch.setattr(planner, "hardware_here", _gpu_of(total))
+    module = Wide(None)
+    trainer = _fit_probed(module, __import__("lightning_zero.replan", fromlist=["PeakMeter"]).PeakMeter())
+    assert trainer.strategy._replanner.measured is None and len(module.losses) == 4
+
+
+def test_a_provisional_plan_when_nothing_fits_with_the_share(monkeypatch):
+    """zero_auto at the edge (the 13B case): with a quarter of the GPU kept back nothing fits; on a GPU it plans
+    with less kept back and says the plan is provisional; on the CPU it refuses as before."""
+    need = planner.estimate(WIDE_PARAMS, lightning_zero.ZeroConfig(stage=3, offload_optimizer="cpu",
+                                                                   offload_params="cpu"), planner.Hardware(),
+                            compute_bytes=4).gpu_total
+    small = int(need / planner.HEADROOM / (1 - planner.ACTIVATION_FLOOR)) + 2**20
+    assert need > small * (1 - planner.ACTIVATION_SHARE) * planner.HEADROOM
+    monkeypatch.setattr(planner, "hardware_here", _gpu_of(small))
+    module = Wide(None)
+
+    class Cuda:
+        type = "cuda"
+
+    config, why = planner.plan_for_run(module, Cuda(), 1, 1, lightning_zero.ZeroConfig(), torch.float32, 1)
+    assert "provisional" in why and lightning_zero.ZeroConfig.from_dict(config).offloads
+    with pytest.raises(ValueError, match="No placement fits"):
+        planner.plan_for_run(module, torch.device("cpu"), 1, 1, lightning_zero.ZeroConfig(), torch.float32, 1)
