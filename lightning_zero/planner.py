@@ -228,7 +228,8 @@ def recommend_partial(num_params: int, hw: Hardware, stage: int = 2, **kwargs: o
 def choose(num_params: int, hw: Hardware, base: ZeroConfig, **kwargs: object) -> Placement:
     """The first placement that fits, in the order of least traffic: stages without offload, then zero2 and
     zero3 with the smallest partial offload that fits, full CPU offload, stage 3 with parameters on the CPU, NVMe (each
-    offload with a device accumulator before host accumulation)."""
+    offload with a device accumulator before host accumulation). On one GPU, when every placement that fits
+    offloads, the one with the least predicted step time among them (the CPU step and PCIe dominate there)."""
     options = [ZeroConfig(stage=s) for s in (2, 3)]
     options += [row.config for row in (recommend_partial(num_params, hw, stage=s, **kwargs) for s in (2, 3)) if row]
     options += [ZeroConfig(stage=2, offload_optimizer="cpu"),
@@ -241,16 +242,24 @@ def choose(num_params: int, hw: Hardware, base: ZeroConfig, **kwargs: object) ->
     fitting = [row for option in options if _allowed(option, keep)
                for config in _with_accumulation(option.replace(**keep), kwargs)
                for row in [estimate(num_params, config, hw, **kwargs)] if row.fits]
+    if fitting and fitting[0].config.offloads and hw.world == 1:
+        # offloading anyway on one GPU, where stage 3's gathers are local copies: the least predicted step time
+        fitting = sorted(fitting, key=lambda r: _step_seconds(r))  # stable: ties keep the order of traffic
     if fitting:
         row = fitting[0]
         row.runner_up = next((r for r in fitting[1:] if r.name != row.name), None)
         row.why = (f"{_figures(row, hw)}; the first that fits in order of least traffic"
+                   + (", then of least predicted step time" if row.config.offloads and hw.world == 1 else "")
                    + (f" (runner-up {_figures(row.runner_up, hw)})" if row.runner_up else ""))
         return row
     raise ValueError(
         f"No placement fits {num_params / 1e9:.2f}B parameters on {hw.world} GPU(s) of {hw.gpu_bytes / GiB:.0f} GiB "
         f"with {hw.host_bytes / GiB:.0f} GiB host memory and {hw.nvme_bytes / GiB:.0f} GiB NVMe per node: add GPUs "
         f"or nodes, give an nvme_path with room, or use activation checkpointing / a smaller micro-batch.")
+
+
+def _step_seconds(row: Placement) -> float:
+    return max(row.seconds.values()) if row.seconds else 0.0
 
 
 def _allowed(option: ZeroConfig, keep: dict) -> bool:
@@ -265,7 +274,7 @@ def _allowed(option: ZeroConfig, keep: dict) -> bool:
 
 
 def _figures(row: Placement, hw: Hardware) -> str:
-    step = max(row.seconds.values()) if row.seconds and any(row.seconds.values()) else 0.0
+    step = _step_seconds(row)
     return (f"{row.name}: {row.gpu_total / GiB:.1f} GiB of {hw.gpu_bytes / GiB:.0f} GiB GPU, {row.host / GiB:.1f} "
             f"GiB host per rank" + (f", {step:.2f} s a step ({row.bottleneck})" if step else ""))
 

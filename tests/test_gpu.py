@@ -157,3 +157,45 @@ def test_activation_probe_predicts_the_peak_of_the_full_depth(checkpointing):
     probe = probe_activations(build, 8, step, device, torch.bfloat16, checkpointing)
     measured, _ = _peak(build(8), step, device, torch.bfloat16, checkpointing)
     assert abs(probe.total - measured) <= 0.1 * measured, (probe, measured)
+
+
+def test_zero_auto_measures_the_activations_of_its_first_step():
+    """The allocator peak of the first step under zero_auto is this module's activation memory: close to
+    the peak of the same forward and backward in plain PyTorch above its parameters and gradients."""
+    import lightning.pytorch as pl
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    import lightning_zero
+
+    class Wide(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(512, 4096), nn.GELU(), nn.Linear(4096, 4096), nn.GELU(),
+                                     nn.Linear(4096, 1))
+
+        def training_step(self, batch, batch_idx):
+            return self.net(batch[0]).pow(2).mean()
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-4)
+
+    data = torch.randn(8 * 1024, 512)
+    torch.manual_seed(0)
+    plain = Wide().cuda()
+    x = data[:1024].cuda()
+    plain.net(x).pow(2).mean().backward()  # gradients exist, as they do at the engine's step start
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    plain.net(x).pow(2).mean().backward()
+    torch.cuda.synchronize()
+    reference = torch.cuda.max_memory_allocated() - base
+    del plain, x
+    torch.cuda.empty_cache()
+    assert lightning_zero
+    trainer = pl.Trainer(accelerator="gpu", devices=1, strategy="zero_auto", max_steps=2, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(Wide(), DataLoader(TensorDataset(data), batch_size=1024))
+    measured = trainer.strategy._replanner.measured
+    assert measured is not None and 0.5 * reference <= measured <= 2 * reference, (measured, reference)

@@ -159,6 +159,8 @@ class BenchModule(pl.LightningModule):
         if name == "auto":
             if a.strategy.startswith("deepspeed") and "offload" in a.strategy:
                 name = "ds_cpu_adam"
+            elif a.clip and a.strategy in ("auto", "ddp") and self._on_cuda():
+                name = "foreach"  # Lightning refuses to clip under mixed precision with a fused optimizer
             elif a.strategy == "fsdp_cpu_offload" or self._on_cuda():
                 name = "fused"  # fsdp_cpu_offload steps on the CPU with torch's fused CPU kernel, like the anchor
             else:
