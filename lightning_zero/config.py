@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 __all__ = ["ZeroConfig", "ZeroConfigError", "DTYPE_NAMES"]
 
@@ -86,6 +86,8 @@ class ZeroConfig:
             units during backward anyway, keeping a copy of their master and optimizer state (host memory as
             large as the offloaded state; skipped when the host has no room), and redo them after backward
             only when the global norm clips or a rank overflowed: bit-identical to stepping after backward.
+            ``"auto"`` (default): the first steps run after backward and time it; speculation follows only
+            when the copy is measured to take less time than the backward it hides (engine/speculation_trial).
         delayed_step: offload to the CPU: ZeRO-Offload's delayed parameter update (opt-in, inexact). From the
             second step on, step t's host update runs on a worker thread during forward and backward of step
             t+1, which still use the values of step t-1: the host step costs no time while it fits under them,
@@ -129,7 +131,7 @@ class ZeroConfig:
     nvme_path: Optional[str] = None
     nvme_buffer_bytes: int = 1 << 30
     overlap_step: bool = True
-    speculative_step: bool = True
+    speculative_step: Union[bool, str] = "auto"
     delayed_step: bool = False
     offload_accumulation: str = "device"
     auto_placement: bool = False
@@ -190,6 +192,8 @@ class ZeroConfig:
         _check(not self.delayed_step or self.offload_params == "none", "delayed_step", self.delayed_step,
                "the delayed host step updates the host copy stage-3 gathers read during the next forward: keep "
                "the parameters on the device (offload_params='none') or set delayed_step=False")
+        _check(self.speculative_step in (True, False, "auto"), "speculative_step", self.speculative_step,
+               "use true (always speculate), false (step after backward) or 'auto' (decided from the first steps)")
         _check(self.nvme_buffer_bytes >= 4096, "nvme_buffer_bytes", self.nvme_buffer_bytes,
                "use a positive number of bytes, at least 4096 (the host staging budget of NVMe offload)")
         _check(self.collective_timeout_s > 0, "collective_timeout_s", self.collective_timeout_s,
@@ -246,7 +250,7 @@ def _reject_unknown(values: dict[str, Any]) -> None:
             raise ZeroConfigError(f"Unknown ZeroConfig option '{key}'.{hint} Valid options: {', '.join(known)}.")
 
 
-_TYPES = {"str": (str,), "int": (int,), "float": (int, float), "bool": (bool,), "Optional[str]": (str, type(None)),
+_TYPES = {"Union[bool, str]": (bool, str), "str": (str,), "int": (int,), "float": (int, float), "bool": (bool,), "Optional[str]": (str, type(None)),
           "tuple[str, ...]": (tuple,)}
 
 
@@ -254,7 +258,7 @@ def _check_type(name: str, annotation: str, value: Any) -> None:
     allowed = _TYPES[annotation]
     ok = isinstance(value, allowed) and (bool in allowed or not isinstance(value, bool))
     if not ok:
-        expected = annotation.replace("Optional[str]", "a string or null").replace("tuple[str, ...]", "a list of names")
+        expected = annotation.replace("Union[bool, str]", "true, false or 'auto'").replace("Optional[str]", "a string or null").replace("tuple[str, ...]", "a list of names")
         raise ZeroConfigError(f"ZeroConfig.{name}={value!r} has type {type(value).__name__}: expected {expected}.")
 
 

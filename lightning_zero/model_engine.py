@@ -64,12 +64,13 @@ class ZeroModelEngine(nn.Module):
         self.zero = ZeroEngine(model, [optimizer], ds.zero, comm, device, self.compute_dtype, init_rng=init_rng,
                                free_grads_at_step=True)
         self.scaling = LossScaling(make_scaler(ds.zero, self.compute_dtype))
+        self.zero.ranks_on_node = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
         if self.zero.offloader is not None:  # the host steps during backward; clipping / fp16 make it speculative
             changers = " and ".join(what for what, present in (("gradient clipping", bool(ds.gradient_clip_val)),
                                                                ("fp16 loss scaling", self.scaling.scaler is not None))
                                     if present) or None
             blocker = (self.zero.speculation_blocker([optimizer], int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
-                       if changers and ds.zero.speculative_step else None)
+                       if changers and ds.zero.speculative_step is not False else None)
             log.info(self.zero.overlap_step(None if blocker else optimizer, blocker, changers))
         # DeepSpeed derives the missing one of batch / micro-batch / accumulation and refuses a mismatch
         tbs, mbs, gas = resolve_batch(ds.train_batch_size, ds.micro_batch_per_gpu, ds.accumulate, comm.world_size)

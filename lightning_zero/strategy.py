@@ -262,6 +262,7 @@ class ZeroStrategy(ParallelStrategy):
             wrappers=lightning_compat.lightning_optimizers(self) if fitting else (),
             free_grads_at_step=fitting and lightning_loop.zero_grad_before_next_backward(self.lightning_module))
         self.precision_plugin.attach(engine, self.root_device.type)
+        engine.say, engine.ranks_on_node = rank_zero_info, self.num_processes
         if self.config.delayed_step and engine.offloader is not None and fitting and not engine.free_grads_at_step:
             raise ZeroConfigError(
                 "ZeroConfig.delayed_step=True needs the gradients cleared at every step (automatic optimization with "

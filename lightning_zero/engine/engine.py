@@ -15,6 +15,7 @@ parameter shard between uses (see :mod:`lightning_zero.engine.gather`).
 
 from __future__ import annotations
 
+import logging
 import math
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -38,10 +39,12 @@ from .materialize import RngState, check_no_meta_left, has_meta, materialize_mod
 from .offload import Offloader
 from .optim import Routes, check_optimizer, pieces_in_groups, unwrap
 from .readiness import ForwardOrder
+from .speculation_trial import WINDOWS, SpeculationTrial, host_copy_seconds_per_byte, pays
 
 __all__ = ["ZeroEngine", "dtype_of"]
 
 _live: weakref.WeakSet = weakref.WeakSet()  # engines whose hooks are installed (see ZeroEngine.owning)
+log = logging.getLogger(__name__)
 
 
 def dtype_of(name: Optional[str], default: torch.dtype) -> torch.dtype:
@@ -102,6 +105,12 @@ class ZeroEngine:
         self._grad_slots: list[set[int]] = [set() for _ in self.units]  # slots whose parameter holds a gradient
         self.window = 0  # windows closed so far (see engine.grads [Note: the window])
         self.grad_bytes_at_step = 0
+        # speculative_step='auto' (speculation_trial): the trial while it runs, then its verdict and why
+        self._trial: Optional[SpeculationTrial] = None
+        self._speculation_verdict: Any = None
+        self.speculation_decision = ""
+        self.say: Callable[[str], None] = log.info  # where lines for the user go (the strategy: rank zero's log)
+        self.ranks_on_node = 1  # the caller knows (host memory is shared by the node's ranks)
         self.gatherer = self._make_gatherer() if config.shard_params else None
         self._forward = ForwardOrder(module) if comm.world_size > 1 or comm.force else None
         policy = ReducePolicy(shard_grads=config.shard_grads, overlap=config.overlap_comm,
@@ -312,8 +321,16 @@ class ZeroEngine:
             self.offloader.disable_overlap()
             return described + ("one step late (delayed_step): step t's host update runs during window t+1, "
                                 "from gradients one step stale")
-        if speculate and not self.config.speculative_step:
+        mode = self.config.speculative_step if self._speculation_verdict is None else self._speculation_verdict
+        if speculate and mode is False:
             blocker = f"{speculate}, speculative_step=False"
+        if speculate and mode == "auto" and optimizer is not None and not blocker and self.config.overlap_step:
+            self._trial = SpeculationTrial(optimizer, speculate, self.device)
+            self.offloader.disable_overlap()
+            return described + (f"after backward for the first {WINDOWS} steps ({speculate}; speculative_step='auto' "
+                                f"times them to see whether a speculative step pays here)")
+        if speculate and isinstance(mode, str) and mode.startswith("no:"):
+            blocker = mode[3:]
         if optimizer is None or blocker or not self.config.overlap_step:
             self.offloader.disable_overlap()
             return described + f"after backward ({blocker or 'overlap_step=False'})"
@@ -348,6 +365,31 @@ class ZeroEngine:
                                    read_host_budget(ranks_on_node))
         return next((p for p in self.comm.all_gather_object(problem) if p), None)
 
+    def _end_trial_step(self) -> None:
+        """speculative_step='auto': a step ended; with enough timings, the ranks decide together (a collective
+        at the same step on every rank) and the host step is set up accordingly."""
+        trial = self._trial
+        if trial is None or not trial.stepped():
+            return
+        self._trial = None
+        backward = trial.backward_seconds()
+        copy = self.offloader.speculation_bytes([trial.optimizer]) * host_copy_seconds_per_byte()
+        worst = torch.tensor([copy / max(backward, 1e-9)], device=self.device)
+        if self.comm.world_size > 1:
+            self.comm.all_reduce(worst, op="max")
+        figures = f"the safety copy ~{copy:.3f} s against a backward of {backward:.3f} s"
+        room = self.speculation_blocker([trial.optimizer], self.ranks_on_node)  # a collective, on every rank
+        if room:
+            self._speculation_verdict = f"no:{room}"
+            self.speculation_decision = f"after backward: {room}"
+        elif pays(float(worst) * backward, backward):
+            self._speculation_verdict = True
+            self.speculation_decision = f"speculative: {figures}"
+        else:
+            self._speculation_verdict = f"no:speculative_step='auto' measured {figures}, too dear to hide it"
+            self.speculation_decision = f"after backward: {figures}"
+        self.say(self.overlap_step(trial.optimizer, None, trial.speculate))
+
     def _speculating(self) -> bool:
         return self.offloader is not None and self.offloader.speculating
 
@@ -355,6 +397,8 @@ class ZeroEngine:
     def begin_backward(self, loss: torch.Tensor) -> None:
         """Call before ``loss.backward()``: the reducer reads which gradients will arrive off the graph."""
         self.reducer.begin_backward([loss])
+        if self._trial is not None:
+            self._trial.backward_started()
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         self.begin_backward(loss)
@@ -366,6 +410,8 @@ class ZeroEngine:
         parameters (no hook fired), the reductions every other rank issues are issued here too."""
         if self.reducer.in_backward:
             self.reducer.finish_backward()
+        if self._trial is not None:
+            self._trial.backward_ended()
 
     @property
     def last_micro_batch(self) -> bool:
@@ -530,6 +576,7 @@ class ZeroEngine:
         self.republish([u for u in stepped if u.index not in published])
         if self.free_grads_at_step:
             self._drop_grads(self.slots_of(optimizer))
+        self._end_trial_step()
         return out
 
     def settle(self, publish: bool = True) -> None:
@@ -563,6 +610,7 @@ class ZeroEngine:
             self.republish(self.offloader.units_of(optimizer))
         if self.free_grads_at_step:
             self._drop_grads(self.slots_of(optimizer))
+        self._end_trial_step()
 
     def zero_grad(self, optimizer: torch.optim.Optimizer, set_to_none: bool = True) -> None:
         """``optimizer.zero_grad()``: forget the gradients of its parameters (closes an open window)."""
