@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import faulthandler
 import io
+import signal
 import os
 import socket
 import traceback
@@ -37,6 +39,8 @@ def _entry(rank: int, world: int, port: int, fn, args, queue, lightning: bool, o
         os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world), NODE_RANK="0",
                           LOCAL_WORLD_SIZE=str(world))
     torch.set_num_threads(1)
+    if hasattr(signal, "SIGUSR1"):  # `kill -USR1 <pid>` prints where a stuck rank is
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
         if not lightning:
             dist.init_process_group("gloo", rank=rank, world_size=world)
