@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import faulthandler
 import io
-import signal
 import os
+import signal
 import socket
 import traceback
 
