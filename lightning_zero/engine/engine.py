@@ -504,11 +504,15 @@ class ZeroEngine:
         """Like ``torch.nn.utils.clip_grad_norm_`` over the optimizer's parameters, across shards."""
         total = self.grad_norm(optimizer, norm_type)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        groups = _by_device(self.grads(optimizer))
+        on_host = self.device.type != "cpu" and any(device.type == "cpu" for device in groups)
+        if (self._speculating() or on_host) and coef.item() == 1.0:
+            # multiplying by one changes no value: the early steps stand, and the offloaded gradients are not
+            # read and written once more by the host for nothing (the GPU-only path keeps torch's sync-free rule)
+            return total
         if self._speculating():
-            if coef.item() == 1.0:  # the regular path multiplies by one: no value changes, the early steps stand
-                return total
             self.offloader.reject_speculation()  # before the multiply: the worker may still read them
-        for device, grads in _by_device(self.grads(optimizer)).items():
+        for device, grads in groups.items():
             torch._foreach_mul_(grads, coef.to(device))
         return total
 
