@@ -113,9 +113,8 @@ def methods_case(rank: int, world: int, stage: int, tmp: str) -> dict:
 
 
 def zero_init_case(rank: int, world: int, stage: int) -> dict:
-    """A model built under zero.Init equals one built normally with the same seed; no rank holds it whole."""
-    torch.manual_seed(0)
-    normal = Net(2048)
+    """A model built under zero.Init equals one built normally on the engine's device with the same seed (see
+    [Note: initialization and seeds]: on a GPU the values come from the CUDA generator); no rank holds it whole."""
     torch.manual_seed(0)
     with zero.Init():
         lazy = Net(2048)
@@ -127,6 +126,9 @@ def zero_init_case(rank: int, world: int, stage: int) -> dict:
     except RuntimeError as err:
         out["meta_gather"] = str(err)
     engine, _, _, _ = lightning_zero.initialize(model=lazy, config=_config(stage))
+    torch.manual_seed(0)
+    with torch.device(engine.device):
+        normal = Net(2048).cpu()
     state = engine.full_state_dict(rank0_only=False)
     out["max_err"] = max(float((state[k].cpu() - v).abs().max()) for k, v in normal.state_dict().items())
     out["held"] = sum(u.master.numel() for u in engine.zero.units)
