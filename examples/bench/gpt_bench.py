@@ -472,6 +472,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "record lightning_zero's planned GPU / host peaks beside the measured ones")
     ap.add_argument("--clip", type=float, default=0.0, help="gradient_clip_val (global norm); 0: none")
     ap.add_argument("--tag", default="")
+    ap.add_argument("--profile", default="", metavar="PATH",
+                    help="Lightning's PyTorch profiler over the last but one optimizer step (--warmup + --steps); its chrome "
+                         "trace is written to PATH (summarize it with trace_summary.py); timings then include it")
     ap.add_argument("--no-fast-exit", dest="fast_exit", action="store_false",
                     help="run Lightning's teardown instead of os._exit right after the measurement")
     ap.add_argument("--env", action="store_true", help="print the environment as one ENV {json} line and exit")
@@ -481,6 +484,23 @@ def parse_args(argv=None) -> argparse.Namespace:
     if a.precision is None:
         a.precision = "32-true" if a.accelerator == "cpu" else "bf16-mixed"
     return a
+
+
+def step_profiler(path: str, skip_steps: int, accumulate: int):
+    """Lightning's PyTorchProfiler recording one optimizer step (its ``accumulate`` micro-batches) after
+    ``skip_steps`` steps, up to the next step's forward, its chrome trace written to ``path``."""
+    from lightning.pytorch.profilers import PyTorchProfiler
+
+    def export(prof) -> None:
+        prof.export_chrome_trace(path)
+
+    schedule = torch.profiler.schedule(wait=max(0, skip_steps * accumulate - 1), warmup=1, active=accumulate + 1, repeat=1)
+    extra = {}
+    try:  # the host step and the host adds run on worker threads: record those too where torch can
+        extra["experimental_config"] = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
+    except (AttributeError, TypeError):
+        pass
+    return PyTorchProfiler(schedule=schedule, on_trace_ready=export, record_shapes=False, **extra)
 
 
 # ---------------------------------------------------------------------------------------- main
@@ -599,7 +619,8 @@ def main(argv=None) -> int:
                              precision=a.precision, max_steps=a.warmup + a.steps, logger=False,
                              accumulate_grad_batches=acc, gradient_clip_val=a.clip or None,
                              enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                             num_sanity_val_steps=0, use_distributed_sampler=False, callbacks=[timer])
+                             num_sanity_val_steps=0, use_distributed_sampler=False, callbacks=[timer],
+                             profiler=step_profiler(a.profile, max(0, a.warmup + a.steps - 2), acc) if a.profile else None)
         data = SyntheticTokens(a.vocab, a.seq, (a.warmup + a.steps + 2) * a.batch * acc)
         loader = torch.utils.data.DataLoader(data, batch_size=a.batch, shuffle=False, num_workers=0, drop_last=True)
         trainer.fit(module, train_dataloaders=loader)
