@@ -39,7 +39,13 @@ def piece_values(unit: FlatUnit, slot: int) -> Optional[torch.Tensor]:
 
 
 def _dtensor(comm: Comm, local: torch.Tensor, shape: torch.Size) -> Any:
-    """A DTensor of global ``shape`` whose local part on this rank is ``local`` (its chunk, flat)."""
+    """A DTensor of global ``shape`` whose local part on this rank is ``local`` (its chunk, flat).
+
+    Over a gloo group a GPU chunk becomes a host copy on the host mesh: torch's gloo backend cannot run the
+    collectives a DTensor's ``full_tensor()`` or redistribution issue on CUDA tensors (it crashes the process,
+    pytorch/pytorch#152645), and a gloo group's ranks reach each other through host memory anyway."""
+    if local.device.type == "cuda" and comm.world_size > 1 and comm.backend == "gloo":
+        local = local.detach().to("cpu")
     mesh = comm.mesh(local.device.type)
     if mesh is None:  # a plain process without torch.distributed: the whole tensor, as itself
         return local.view(shape)
