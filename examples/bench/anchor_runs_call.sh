@@ -1,17 +1,19 @@
 #!/usr/bin/env bash
 # One device call: runs of the anchor harness (.anchor/bench.py, copied from the anchor bench) listed in RUNS, one per
-# line as "tag timeout_s bench.py arguments...", each with the machine's used host memory sampled every second
+# line as "tag timeout_s [VAR=value ...] bench.py arguments...", each with the machine's used host memory sampled every second
 # (free -m: ru_maxrss misses pinned pages) into $OUT/host_<tag>.txt (seconds since start, used MiB) and its log in
 # $OUT/run_<tag>.log. Prints each run's rc, sampled host peak, our log lines and the RESULT line.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-[ -d .anchor/.whl ] && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+[ -d .anchor/.whl ] && [ ! -d /tmp/site ] && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .anchor/.whl/*.whl >/dev/null 2>&1
 export PYTHONPATH=/tmp/site:$PWD:$PWD/tests
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; free -g | head -2; df -h /tmp | tail -1
+[ -z "${QUIET:-}" ] && { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; free -g | head -2; df -h /tmp | tail -1; }
 while read -r tag limit args; do
   [ -z "$tag" ] && continue
-  start=$(date +%s) peak=0
-  timeout "$limit" python3 .anchor/bench.py $args --tag "$tag" > "$OUT/run_$tag.log" 2>&1 &
+  start=$(date +%s) peak=0 envs=()
+  set -- $args
+  while [[ "${1:-}" == [A-Z]*=* ]]; do envs+=("$1"); shift; done
+  env "${envs[@]}" timeout "$limit" python3 .anchor/bench.py "$@" --tag "$tag" > "$OUT/run_$tag.log" 2>&1 &
   pid=$!
   while kill -0 "$pid" 2>/dev/null; do
     used=$(free -m | awk '/Mem:/{print $3}'); [ "$used" -gt "$peak" ] && peak=$used
