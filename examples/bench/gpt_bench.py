@@ -181,6 +181,39 @@ class BenchModule(pl.LightningModule):
             return torch.cuda.is_available() and self.args.accelerator in ("gpu", "cuda")
 
 
+class RssSampler:
+    """Peaks of this process's anonymous and file-backed resident memory (/proc/self/status, every 10 ms), by phase
+    (``setup`` until training starts, then ``train``): ru_maxrss sums both kinds and cannot say when."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.phase = "setup"
+        self.peaks: dict[str, float] = {}
+        if os.path.exists("/proc/self/status"):
+            threading.Thread(target=self._run, daemon=True).start()
+
+    @staticmethod
+    def read() -> dict[str, float]:
+        out = {}
+        with open("/proc/self/status") as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                if key in ("RssAnon", "RssFile", "RssShmem"):
+                    out[key] = int(rest.split()[0]) * 1024 / GIB
+        return out
+
+    def _run(self) -> None:
+        while True:
+            for key, value in self.read().items():
+                name = f"{self.phase}_{key}"
+                self.peaks[name] = max(self.peaks.get(name, 0.0), value)
+            time.sleep(0.01)
+
+    def record(self) -> dict[str, float]:
+        return {f"host_peak_{k.lower()}_gib": round(v, 2) for k, v in sorted(self.peaks.items())}
+
+
 class StepTimer(Callback):
     """Per-step wall time (device synchronized) after the warm-up steps; snapshot at train end."""
 
@@ -191,6 +224,7 @@ class StepTimer(Callback):
         self.losses: list[float] = []
         self.on_end = None
         self.cuda = False
+        self.rss: RssSampler | None = None
 
     def _sync(self) -> None:
         if self.cuda:
@@ -198,6 +232,8 @@ class StepTimer(Callback):
 
     def on_train_start(self, trainer, pl_module) -> None:
         self.cuda = trainer.strategy.root_device.type == "cuda"
+        if self.rss is not None:
+            self.rss.phase = "train"
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if batch_idx == self.warmup:
@@ -540,6 +576,7 @@ def main(argv=None) -> int:
     module = BenchModule(a)
     acc = a.accumulate
     timer = StepTimer(a.warmup * acc, a.steps * acc)  # times micro-batches; grouped into steps below
+    timer.rss = RssSampler()
     state = {"done": False}
 
     def finish(status: str, error: str | None = None, trainer=None) -> int:
@@ -582,6 +619,8 @@ def main(argv=None) -> int:
             rec["gpu_peak_alloc_gib"] = round(torch.cuda.max_memory_allocated() / GIB, 2)
             rec["gpu_peak_reserved_gib"] = round(torch.cuda.max_memory_reserved() / GIB, 2)
         rec["host_peak_rss_gib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB, 3)
+        if timer.rss is not None:
+            rec.update(timer.rss.record())
         if rank != 0:
             return 0 if rec["status"] == "ok" else 1
         line = json.dumps(jsonable(rec))
