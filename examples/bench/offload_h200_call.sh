@@ -3,7 +3,7 @@
 # bf16-mixed, no clipping — the anchors' setting): the GPU alone, zero2_offload, zero3_offload, the delayed step,
 # zero2_offload with 14 host-step threads (two cores left to the training loop and the copies); then one step of
 # zero2_offload profiled without and with clipping 1.0 (gpt_bench --profile, text timelines by trace_summary.py);
-# then LARGE (the largest GPT under zero_auto, default 41 x 5120) and the GPU tests in TEST_ARGS.
+# then where the NVMe path's host memory goes; then LARGE (the largest GPT under zero_auto, default 41 x 5120) and the GPU tests in TEST_ARGS.
 export PYTHONPATH=/tmp/site:$PWD:$PWD/tests PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 SHAPE13="--layers 24 --d-model 2048 --heads 16 --seq 2048 --batch 8 --warmup 3 --steps 8"
 [ -z "${SKIP_13:-}" ] && RUNS="auto 90 --strategy auto $SHAPE13
@@ -19,6 +19,17 @@ for clip in 0 1.0; do
   echo "== profile clip=$clip rc=$?"; grep -E "^lightning_zero|Error" "$OUT/run_profile_clip$clip.log" | cut -c1-300 | tail -4
   python3 examples/bench/trace_summary.py /tmp/trace_$clip.json | tee "$OUT/timeline_clip$clip.txt"
 done
+if [ -z "${SKIP_NVME:-}" ]; then  # where the NVMe path's host memory goes: anonymous vs file pages, setup vs training
+  mkdir -p /tmp/lz_nvme
+  timeout 120 python3 examples/bench/gpt_bench.py --strategy zero3 --layers 24 --d-model 2048 --heads 16 --seq 2048 \
+    --batch 8 --warmup 1 --steps 2 --plan --tag nvme --zero offload_optimizer=nvme offload_params=nvme \
+    nvme_path=/tmp/lz_nvme nvme_buffer_bytes=6e9 > "$OUT/run_nvme.log" 2>&1
+  echo "== nvme rc=$?"; grep -E "^RESULT" "$OUT/run_nvme.log" | python3 -c "
+import json, sys
+for line in sys.stdin:
+    r = json.loads(line[7:])
+    print({k: v for k, v in r.items() if 'host' in k or k in ('status', 'error', 'tokens_per_s', 'plan_host_gib')})"
+fi
 LARGE=${LARGE-41 5120 40}
 if [ -n "$LARGE" ]; then
   set -- $LARGE
