@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call for the offload figures: the anchor harness on the 1.3B GPT (24 x 2048, seq 2048, micro-batch 8,
 # bf16-mixed, no clipping — the anchors' setting): the GPU alone, zero2_offload, zero3_offload, the delayed step,
-# zero2_offload with 14 host-step threads (two cores left to the training loop and the copies); then one step of
+# zero2_offload with 14 host-step threads (two cores left to the training loop and the copies), MORE_RUNS; then one step of
 # zero2_offload profiled without and with clipping 1.0 (gpt_bench --profile, text timelines by trace_summary.py);
 # then where the NVMe path's host memory goes; then LARGE (the largest GPT under zero_auto, default 41 x 5120) and the GPU tests in TEST_ARGS.
 export PYTHONPATH=/tmp/site:$PWD:$PWD/tests PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
@@ -10,7 +10,8 @@ SHAPE13="--layers 24 --d-model 2048 --heads 16 --seq 2048 --batch 8 --warmup 3 -
 z2off 90 --strategy zero2_offload $SHAPE13
 z3off 90 --strategy zero3_offload $SHAPE13
 z2delayed 90 --strategy zero2 $SHAPE13 --zero stage=2 offload_optimizer=cpu delayed_step=True
-z2off_t14 90 OMP_NUM_THREADS=14 --strategy zero2_offload $SHAPE13" bash examples/bench/anchor_runs_call.sh
+z2off_t14 90 OMP_NUM_THREADS=14 --strategy zero2_offload $SHAPE13
+${MORE_RUNS:-}" bash examples/bench/anchor_runs_call.sh
 for clip in 0 1.0; do
   [ -n "${SKIP_PROFILE:-}" ] && break
   timeout 100 python3 examples/bench/gpt_bench.py --strategy zero2_offload --layers 24 --d-model 2048 --heads 16 \
