@@ -353,6 +353,19 @@ def plan_for_run(module: Any, device: Any, gpus_per_node: int, nodes: int, confi
     return [choice.config.to_dict(), f"{choice.why}; {note}"]
 
 
+def fits_measured(module: Any, device: Any, gpus_per_node: int, nodes: int, config: ZeroConfig, compute_dtype: Any,
+                  accumulate: int, measured: int) -> bool:
+    """Whether ``config`` (the placement running) fits this machine with the ``measured`` activation bytes (margin
+    included) and the optimizer state the first step has not created yet."""
+    import torch
+
+    numel = sum(p.numel() for p in module.parameters())
+    row = estimate(numel, config, hardware_here(device, gpus_per_node, nodes, config, 0.0),
+                   compute_bytes=2 if compute_dtype != torch.float32 else 4, accumulate=accumulate,
+                   activations=measured)
+    return row.fits
+
+
 def offloaded_share(config: ZeroConfig) -> float:
     """The share of the model states a placement keeps off the GPU (for comparing two placements)."""
     return config.offload_fraction if config.offloads else 0.0

@@ -339,10 +339,11 @@ class ZeroStrategy(ParallelStrategy):
 
     def _probe_first_step(self) -> bool:
         """After the first backward under zero_auto (one rank, automatic optimization): read the activation
-        memory it used and move to a placement with less traffic when the measurement leaves room for one.
-        True when the engine was rebuilt (the batch must run again); see replan.py."""
+        memory it used; move to a placement with less traffic when the measurement leaves room for one, or to
+        one that fits when the running placement does not leave room for the activations and the optimizer
+        state still to come. True when the engine was rebuilt (the batch must run again); see replan.py."""
         from .host_memory import read_host_budget
-        from .planner import lighter, placement_name, plan_for_run
+        from .planner import fits_measured, lighter, placement_name, plan_for_run
 
         measured = self._replanner.meter.read()
         if measured is None or self._replanner.measured is not None:
@@ -350,24 +351,34 @@ class ZeroStrategy(ParallelStrategy):
         self._replanner.measured = measured
         trainer = self.lightning_module.trainer
         before, measured_gib = placement_name(self.config), f"{measured / 2**30:.2f} GiB"
+        accumulate = int(trainer.accumulate_grad_batches or 1)
+        place = (self.lightning_module, self.root_device, self.num_processes, self.num_nodes)
+        fits_now = fits_measured(*place, self.config, self.precision_plugin.compute_dtype, accumulate,
+                                 self._measured_plan())
         try:
-            config, why = plan_for_run(self.lightning_module, self.root_device, self.num_processes, self.num_nodes,
-                                       self._auto_config, self.precision_plugin.compute_dtype,
-                                       int(trainer.accumulate_grad_batches or 1), measured=self._measured_plan())
+            config, why = plan_for_run(*place, self._auto_config, self.precision_plugin.compute_dtype, accumulate,
+                                       measured=self._measured_plan())
             found: Optional[ZeroConfig] = ZeroConfig.from_dict(config)
-        except ValueError:  # the running placement fits (it just ran); the estimate is stricter
+        except ValueError:  # nothing fits the estimate (the running placement did run its forward and backward)
             found = None
-        if found is None or not lighter(found, self.config):
-            rank_zero_info(f"lightning_zero zero_auto: the first step used {measured_gib} for activations; "
-                           f"{before} stays")
+        if found is None or (fits_now and not lighter(found, self.config)):
+            if fits_now:
+                rank_zero_info(f"lightning_zero zero_auto: the first step used {measured_gib} for activations; "
+                               f"{before} stays")
+            else:
+                rank_zero_warn(f"lightning_zero zero_auto: the first step used {measured_gib} for activations, more "
+                               f"than {before} leaves room for beside the optimizer state its first step creates, "
+                               f"and no placement leaves enough: {before} stays and may run out of GPU memory "
+                               f"(a smaller micro-batch, activation checkpointing or more GPUs make room)")
             return False
         module_bytes = 4 * sum(p.numel() for p in self.lightning_module.parameters())
         budget = read_host_budget(self.num_processes)
         if module_bytes + budget.headroom_per_rank > budget.per_rank:  # the switch hands the module back in host memory
-            rank_zero_info(f"lightning_zero zero_auto: the first step used {measured_gib} for activations, so "
-                           f"{placement_name(found)} would fit, but moving there needs the fp32 module "
-                           f"({module_bytes / 2**30:.1f} GiB) in host memory and the host can give "
-                           f"{budget.describe()}: {before} stays (name the lighter placement to start with it)")
+            say = rank_zero_info if fits_now else rank_zero_warn
+            say(f"lightning_zero zero_auto: the first step used {measured_gib} for activations, so "
+                f"{placement_name(found)} {'would fit' if fits_now else 'is needed'}, but moving there needs the "
+                f"fp32 module ({module_bytes / 2**30:.1f} GiB) in host memory and the host can give "
+                f"{budget.describe()}: {before} stays (name the placement to start with it)")
             return False
         self._release_engine()
         if torch.cuda.is_available():
@@ -376,9 +387,10 @@ class ZeroStrategy(ParallelStrategy):
         self.precision_plugin.configure(self.config, explicit=False)
         self.model_to_device()
         self._build_engine(trainer, fitting=True)
-        rank_zero_warn(f"lightning_zero zero_auto: the first step used {measured_gib} for activations, less than "
-                       f"kept free: moved from {before} to {placement_name(self.config)} and ran the step again "
-                       f"({why})")
+        how = ("less than kept free" if fits_now else
+               f"more than {before} leaves room for beside the optimizer state its first step creates")
+        rank_zero_warn(f"lightning_zero zero_auto: the first step used {measured_gib} for activations, {how}: "
+                       f"moved from {before} to {placement_name(self.config)} and ran the step again ({why})")
         return True
 
     def model_to_device(self) -> None:

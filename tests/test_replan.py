@@ -208,7 +208,14 @@ def test_a_measurement_that_needs_the_room_keeps_the_placement(monkeypatch, capl
     monkeypatch.setattr(planner, "hardware_here", _gpu_of(total))
     module = Wide(None)
     with caplog.at_level("INFO"):
-        trainer = _fit_probed(module, SimulatedMeter(total // 4))  # as much as was kept free
+        # more than zero2 leaves room for (with the margin), less than the running placement does
+        used, full = 60 * 2**20, _gpu_of(total)(None, 1, 1, None, 0.0)
+        first = planner.choose(WIDE_PARAMS, _gpu_of(total)(None, 1, 1, None), lightning_zero.ZeroConfig(),
+                               compute_bytes=4).config
+        assert planner.estimate(WIDE_PARAMS, first, full, compute_bytes=4, activations=planner_margin(used)).fits
+        assert not planner.estimate(WIDE_PARAMS, lightning_zero.ZeroConfig(stage=2), full, compute_bytes=4,
+                                    activations=planner_margin(used)).fits
+        trainer = _fit_probed(module, SimulatedMeter(used))
     assert trainer.strategy.config.to_dict()["stage"] != 2 or trainer.strategy.config.offloads
     assert len(module.losses) == 4  # no batch ran twice
     assert "first step used" in caplog.text and "stays" in caplog.text
@@ -256,3 +263,53 @@ def test_a_provisional_plan_when_nothing_fits_with_the_share(monkeypatch):
     assert "provisional" in why and lightning_zero.ZeroConfig.from_dict(config).offloads
     with pytest.raises(ValueError, match="No placement fits"):
         planner.plan_for_run(module, torch.device("cpu"), 1, 1, lightning_zero.ZeroConfig(), torch.float32, 1)
+
+
+BIG = 200 * 2**20  # activations the running placement has no room for beside the optimizer state still to come
+
+
+class NeedsStateRoom(Wide):
+    """Forward and backward fit; the optimizer step (its state created) runs out of memory when the running
+    placement has no room for that state beside the activations (the margin included) the first step needed."""
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        row = planner.estimate(self.n_params, self.trainer.strategy.config, self.hw, compute_bytes=4,
+                               activations=planner_margin(BIG))
+        if not row.fits:
+            self.ooms += 1
+            raise OOM(f"CUDA out of memory. Tried to allocate {BIG / 2**20:.2f} MiB.")
+
+
+def test_a_measurement_the_placement_has_no_room_for_moves_to_one_that_fits(monkeypatch):
+    z2 = planner.estimate(WIDE_PARAMS, lightning_zero.ZeroConfig(stage=2), planner.Hardware(), compute_bytes=4)
+    total = int(z2.gpu_total / ((1 - planner.ACTIVATION_SHARE) * planner.HEADROOM) * 1.02)  # zero2 fits the share
+    monkeypatch.setattr(planner, "hardware_here", _gpu_of(total))
+    hw = planner.Hardware(gpu_bytes=total, host_bytes=64 * 2**30)
+    assert planner.choose(WIDE_PARAMS, _gpu_of(total)(None, 1, 1, None), lightning_zero.ZeroConfig(),
+                          compute_bytes=4).name == "zero2"
+    assert not planner.estimate(WIDE_PARAMS, lightning_zero.ZeroConfig(stage=2), hw, compute_bytes=4,
+                                activations=planner_margin(BIG)).fits, "zero2 must lack the room"
+    pl.seed_everything(0, verbose=False)
+    module = NeedsStateRoom(hw)
+    with pytest.warns(UserWarning, match="first step used 0.20 GiB for activations, more than zero2 leaves room for "
+                                         "beside the optimizer state its first step creates: moved from zero2 to "
+                                         "zero2 offload cpu"):
+        trainer = _fit_probed(module, SimulatedMeter(BIG))
+    assert trainer.strategy.config.offloads and module.ooms == 0 and trainer.global_step == 4
+    pl.seed_everything(0, verbose=False)
+    reference = Wide()
+    _fit("auto", reference)
+    got = {k: v.detach() for k, v in module.state_dict().items()}
+    for name, value in reference.state_dict().items():
+        assert torch.allclose(got[name], value, rtol=1e-5, atol=1e-6), name
+    assert len(module.losses) == 5  # the first batch ran twice, no step lost
+
+
+def test_no_placement_with_room_for_the_measurement_warns(monkeypatch):
+    z2 = planner.estimate(WIDE_PARAMS, lightning_zero.ZeroConfig(stage=2), planner.Hardware(), compute_bytes=4)
+    total = int(z2.gpu_total / ((1 - planner.ACTIVATION_SHARE) * planner.HEADROOM) * 1.02)
+    monkeypatch.setattr(planner, "hardware_here", _gpu_of(total))
+    module = Wide(None)
+    with pytest.warns(UserWarning, match="no placement leaves enough: zero2 stays and may run out of GPU memory"):
+        trainer = _fit_probed(module, SimulatedMeter(total))  # the whole GPU for activations: nothing fits
+    assert trainer.strategy.config.stage == 2 and len(module.losses) == 4
