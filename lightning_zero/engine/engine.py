@@ -35,6 +35,7 @@ from .gather import Gatherer
 from .grads import GradientReducer, ReducePolicy
 from .groups import build_needs, group_lookup, group_modules, members_of, owner_of
 from .guard import install_load_into_masters, install_state_dict_guard
+from .host import host_norms
 from .materialize import RngState, check_no_meta_left, has_meta, materialize_module, model_initializers
 from .offload import Offloader
 from .optim import Routes, check_optimizer, pieces_in_groups, unwrap
@@ -480,10 +481,17 @@ class ZeroEngine:
         """True if any rank holds an inf/nan gradient of ``optimizer``'s parameters (one all-reduce)."""
         found = torch.zeros(1, dtype=torch.float32, device=self.device)
         for grads in _by_device(self.grads(optimizer)).values():  # offloaded gradients are on the host
-            sums = torch.stack(torch._foreach_norm(grads, 1.0)).sum()  # inf/nan anywhere makes it non-finite
+            sums = torch.stack(self._norms(grads, 1.0)).sum()  # inf/nan anywhere makes it non-finite
             if not torch.isfinite(sums):
                 found.fill_(1.0)
         return bool(self.comm.all_reduce(found, op="max").item() > 0)
+
+    def _norms(self, grads: list[torch.Tensor], ord: float) -> list[torch.Tensor]:
+        """Per-tensor norms of gradients on one device: offloaded (host) gradients of a GPU run row by row on every
+        host thread (see host_norms); elsewhere torch's foreach kernel (what torch's clip_grad_norm_ does)."""
+        if grads[0].device.type == "cpu" and self.device.type != "cpu":
+            return host_norms(grads, ord)
+        return torch._foreach_norm(grads, ord)
 
     @torch.no_grad()
     def grad_norm(self, optimizer: torch.optim.Optimizer, norm_type: float = 2.0) -> torch.Tensor:
@@ -494,7 +502,7 @@ class ZeroEngine:
                 part = torch.stack([g.abs().max() for g in grads if g.numel()] or [torch.zeros((), device=grads[0].device)]).max()
                 local = torch.maximum(local, part.float().to(self.device))
             else:
-                local = local + torch.stack(torch._foreach_norm(grads, norm_type)).pow(norm_type).sum().float().to(self.device)
+                local = local + torch.stack(self._norms(grads, norm_type)).pow(norm_type).sum().float().to(self.device)
         if norm_type == math.inf:
             return self.comm.all_reduce(local.float().reshape(1), op="max")[0]
         return self.comm.all_reduce(local.float().reshape(1), op="sum")[0].pow(1.0 / norm_type)
