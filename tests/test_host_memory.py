@@ -195,7 +195,10 @@ def test_each_rank_takes_its_share_of_the_cores_for_the_host_step():
     from lightning_zero.host_memory import host_threads
 
     assert host_threads(cores=16, ranks_on_node=8, current=16, user_set=False) == 2
-    assert host_threads(cores=16, ranks_on_node=1, current=16, user_set=False) is None  # already its share
+    assert host_threads(cores=16, ranks_on_node=1, current=16, user_set=False) == 14  # two for the loop and copies
+    assert host_threads(cores=32, ranks_on_node=2, current=32, user_set=False) == 14
+    assert host_threads(cores=16, ranks_on_node=1, current=12, user_set=False) is None  # already no more
+    assert host_threads(cores=4, ranks_on_node=1, current=4, user_set=False) is None  # small shares stay whole
     assert host_threads(cores=16, ranks_on_node=8, current=16, user_set=True) is None  # OMP_NUM_THREADS wins
     assert host_threads(cores=4, ranks_on_node=8, current=4, user_set=False) == 1
 
