@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One device call: runs of the anchor harness (.anchor/bench.py, copied from the anchor bench) listed in RUNS, one per
 # line as "tag timeout_s [VAR=value ...] bench.py arguments...", each with the machine's used host memory sampled every second
-# (free -m: ru_maxrss misses pinned pages) into $OUT/host_<tag>.txt (seconds since start, used MiB) and its log in
-# $OUT/run_<tag>.log. Prints each run's rc, sampled host peak, our log lines and the RESULT line.
+# (free -m: ru_maxrss misses pinned pages) into $OUT/host_samples.txt ("tag seconds used_MiB") and its log appended
+# to $OUT/logs.txt (few files: a device call returns at most eight). Prints each run's rc, sampled host peak, our log
+# lines and the RESULT line.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 [ -d .anchor/.whl ] && [ ! -d /tmp/site ] && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .anchor/.whl/*.whl >/dev/null 2>&1
@@ -17,7 +18,7 @@ while read -r tag limit args; do
   pid=$!
   while kill -0 "$pid" 2>/dev/null; do
     used=$(free -m | awk '/Mem:/{print $3}'); [ "$used" -gt "$peak" ] && peak=$used
-    echo "$(( $(date +%s) - start )) $used" >> "$OUT/host_$tag.txt"; sleep 1; done
+    echo "$tag $(( $(date +%s) - start )) $used" >> "$OUT/host_samples.txt"; sleep 1; done
   wait "$pid"; rc=$?
   echo "== $tag rc=$rc wall_s=$(( $(date +%s) - start )) host_used_peak_gib=$(python3 -c "print(round($peak / 1024, 1))")"
   grep -E "^lightning_zero|Error|Killed|warn" "$OUT/run_$tag.log" | cut -c1-400 | tail -12
@@ -27,4 +28,5 @@ for line in sys.stdin:
     r = json.loads(line[7:])
     print({k: r.get(k) for k in ('status', 'error', 'tokens_per_s', 'mfu', 'step_s_median', 'gpu_peak_alloc_gib',
                                  'host_peak_rss_gib', 'plan_name', 'plan_host_gib', 'plan_gpu_total_gib')})"
+  { echo "===== $tag rc=$rc"; cat "$OUT/run_$tag.log"; } >> "$OUT/logs.txt"; rm -f "$OUT/run_$tag.log"
 done <<< "$RUNS"
