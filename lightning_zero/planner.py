@@ -111,7 +111,11 @@ def estimate(num_params: int, config: Optional[ZeroConfig], hw: Hardware, *, com
         host_state = int(f * shard * (4 + 4 + state_bytes))
         if config.offload_optimizer == "nvme":
             out.nvme = int(f * shard * (4 + state_bytes))
-            out.host = int(f * shard * 4) + config.nvme_buffer_bytes  # gradient shard + staging slots
+            from .engine.swap import NvmeBackend  # its slot layout decides the first step's transient
+
+            # gradient shard + staging slots + the first step's lazily created state of one chunk
+            out.host = (int(f * shard * 4) + config.nvme_buffer_bytes
+                        + NvmeBackend.first_step_bytes(config.nvme_buffer_bytes))
         else:
             out.host = host_state
         if config.shard_params and config.offload_params == "nvme":

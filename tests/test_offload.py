@@ -190,10 +190,15 @@ def test_planner_matches_measured_model_state(tmp_path):
     # device side), each within 10% (the device side also holds a batch and activations: +64 KiB)
     runs = dict(PLANS, zero3_nvme=dict(stage=3, offload_optimizer="nvme", offload_params="nvme",
                                        nvme_path=str(tmp_path), nvme_buffer_bytes=80 << 20))
+    from lightning_zero.engine.swap import NvmeBackend
+
     for rank in run_ranks(planner_case, 2, runs, lightning=True):
         for name, r in rank.items():
             assert abs(r["device"] - r["planned_device"]) <= 0.1 * r["planned_device"] + (64 << 10), (name, r)
-            assert abs(r["host"] - r["planned_host"]) <= 0.1 * r["planned_host"] + 4096, (name, r)
+            # measured after the first step: the plan's peak also holds the moments that step creates for one
+            # NVMe chunk before they are written to their files
+            steady = r["planned_host"] - (NvmeBackend.first_step_bytes(80 << 20) if name == "zero3_nvme" else 0)
+            assert abs(r["host"] - steady) <= 0.1 * steady + 4096, (name, r)
             assert abs(r["files"] - r["planned_nvme"]) <= 0.1 * r["planned_nvme"] + 4096, (name, r)
 
 

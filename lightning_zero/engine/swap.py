@@ -139,6 +139,12 @@ class NvmeBackend:
                 shard = self._file(unit, "param", params_dtype)
                 unit.set_param_shard(shard.tensor, shard.release_pages)
 
+    @staticmethod
+    def first_step_bytes(budget_bytes: int) -> int:
+        """Host bytes beyond the staging slots during the first step: the state the optimizer creates lazily for one
+        chunk (Adam's two moments over at most a slot's third), held until that chunk's files are written."""
+        return 4 * ASSUMED_STATE_KEYS * (budget_bytes // 4 // SLOTS) // (1 + ASSUMED_STATE_KEYS)
+
     def _too_small(self, need_numel: int) -> None:
         raise NvmePathError(
             f"nvme_buffer_bytes={self.budget_bytes} is too small: the largest offloaded unit needs "
@@ -202,6 +208,8 @@ class NvmeBackend:
             events[slot] = body(chunk)
             new_keys = self._swap_out(optimizer, layouts[i], self.staging.views[slot])
             writes[slot] = self._pool.submit(self._write, layouts[i], self.staging.views[slot], new_keys, events[slot])
+            if new_keys:  # state the optimizer just created (its first step) lives outside the slots until written:
+                writes.pop(slot).result()  # one chunk of it at a time (first_step_bytes), not every chunk in flight
         for future in writes.values():
             future.result()
         for f in self.files.values():
