@@ -321,7 +321,7 @@ class ZeroStrategy(ParallelStrategy):
             raise error from err
         if placement_name(self.config) == before:
             raise error
-        self.model_to_device()
+        self._rebuild_from_host()
         self._build_engine(trainer, fitting=True)
         rank_zero_warn(f"lightning_zero zero_auto: out of GPU memory in the first step under {before}; planned again "
                        f"with {extra / 2**30:.2f} GiB more for activations: {placement_name(self.config)}, and ran "
@@ -385,13 +385,27 @@ class ZeroStrategy(ParallelStrategy):
             torch.cuda.empty_cache()
         self.config = found
         self.precision_plugin.configure(self.config, explicit=False)
-        self.model_to_device()
+        self._rebuild_from_host()
         self._build_engine(trainer, fitting=True)
         how = ("less than kept free" if fits_now else
                f"more than {before} leaves room for beside the optimizer state its first step creates")
         rank_zero_warn(f"lightning_zero zero_auto: the first step used {measured_gib} for activations, {how}: "
                        f"moved from {before} to {placement_name(self.config)} and ran the step again ({why})")
         return True
+
+    def _rebuild_from_host(self) -> None:
+        """zero_auto's new placement: the module was handed back in host memory; the engine copies each unit's
+        parameters to the device as it builds it, so only buffers (and parameters it does not flatten) move now.
+        Moving the whole fp32 module first put it on the GPU beside the new placement's masters: a 2.7B model
+        under a 24 GiB cap ran out of memory there."""
+        assert self.model is not None
+        for module in self.model.modules():
+            for name, buffer in module._buffers.items():
+                if buffer is not None:
+                    module._buffers[name] = buffer.to(self.root_device)
+            for name, param in module._parameters.items():
+                if param is not None and not param.is_floating_point():  # cannot require grad: no optimizer holds it
+                    module._parameters[name] = torch.nn.Parameter(param.detach().to(self.root_device), requires_grad=False)
 
     def model_to_device(self) -> None:
         assert self.model is not None

@@ -313,3 +313,21 @@ def test_no_placement_with_room_for_the_measurement_warns(monkeypatch):
     with pytest.warns(UserWarning, match="no placement leaves enough: zero2 stays and may run out of GPU memory"):
         trainer = _fit_probed(module, SimulatedMeter(total))  # the whole GPU for activations: nothing fits
     assert trainer.strategy.config.stage == 2 and len(module.losses) == 4
+
+
+def test_a_new_placement_takes_the_parameters_from_the_host_itself():
+    # the engine copies each unit's parameters to the device as it builds it: before that only buffers (and
+    # parameters it does not flatten) move, not the whole fp32 module (which would sit on the GPU beside the new
+    # placement's masters). "meta" stands in for the GPU here.
+    class OnMeta(lightning_zero.ZeroStrategy):
+        @property
+        def root_device(self):
+            return torch.device("meta")
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    model.register_parameter("count", nn.Parameter(torch.zeros(2, dtype=torch.int64), requires_grad=False))
+    strategy = OnMeta(config="zero_auto")
+    strategy.model = model
+    strategy._rebuild_from_host()
+    assert model[0].weight.device.type == "cpu" and model[1].weight.device.type == "cpu"
+    assert model[1].running_mean.device.type == "meta" and model.count.device.type == "meta"
