@@ -178,6 +178,17 @@ def _fit_probed(module, meter, steps=4):
     return trainer
 
 
+def _same_as_plain_training(module) -> Wide:
+    """``module`` ends with the weights of the same batches trained without lightning_zero; that run."""
+    pl.seed_everything(0, verbose=False)
+    reference = Wide()
+    _fit("auto", reference)
+    got = {k: v.detach() for k, v in module.state_dict().items()}
+    for name, value in reference.state_dict().items():
+        assert torch.allclose(got[name], value, rtol=1e-5, atol=1e-6), name
+    return reference
+
+
 def test_the_first_step_measures_and_moves_to_a_lighter_placement_without_losing_the_step(monkeypatch):
     total = _probe_gpu(WIDE_PARAMS)
     monkeypatch.setattr(planner, "hardware_here", _gpu_of(total))
@@ -193,12 +204,7 @@ def test_the_first_step_measures_and_moves_to_a_lighter_placement_without_losing
         trainer = _fit_probed(module, meter)
     assert trainer.strategy.config.stage == 2 and not trainer.strategy.config.offloads
     assert module.ooms == 0 and trainer.global_step == 4 and trainer.strategy._replanner.measured == USED
-    pl.seed_everything(0, verbose=False)
-    reference = Wide()
-    _fit("auto", reference)
-    got = {k: v.detach() for k, v in module.state_dict().items()}
-    for name, value in reference.state_dict().items():
-        assert torch.allclose(got[name], value, rtol=1e-5, atol=1e-6), name
+    reference = _same_as_plain_training(module)
     assert module.losses[-4:] == pytest.approx(reference.losses, rel=1e-5)
     assert len(module.losses) == 5  # the first batch ran twice (probe, then under zero2), no other
 
@@ -296,12 +302,7 @@ def test_a_measurement_the_placement_has_no_room_for_moves_to_one_that_fits(monk
                                          "zero2 offload cpu"):
         trainer = _fit_probed(module, SimulatedMeter(BIG))
     assert trainer.strategy.config.offloads and module.ooms == 0 and trainer.global_step == 4
-    pl.seed_everything(0, verbose=False)
-    reference = Wide()
-    _fit("auto", reference)
-    got = {k: v.detach() for k, v in module.state_dict().items()}
-    for name, value in reference.state_dict().items():
-        assert torch.allclose(got[name], value, rtol=1e-5, atol=1e-6), name
+    _same_as_plain_training(module)
     assert len(module.losses) == 5  # the first batch ran twice, no step lost
 
 
