@@ -332,3 +332,56 @@ def test_a_new_placement_takes_the_parameters_from_the_host_itself():
     strategy._rebuild_from_host()
     assert model[0].weight.device.type == "cpu" and model[1].weight.device.type == "cpu"
     assert model[1].running_mean.device.type == "meta" and model.count.device.type == "meta"
+
+
+def test_the_first_placement_is_freed_before_the_next_is_built(monkeypatch):
+    # Lightning still holds the first batch's loss (its graph) and the first optimizer while the new placement is
+    # built, and the engine sits in reference cycles: on a GPU the old masters outlived the move and the new
+    # placement ran out of memory beside them. The collector is off during the fit, so only the strategy's own
+    # release can free them; checked when the new engine is about to be built.
+    import gc
+    import weakref
+
+    total = _probe_gpu(WIDE_PARAMS)
+    monkeypatch.setattr(planner, "hardware_here", _gpu_of(total))
+    real = planner.plan_for_run
+
+    def stage3_first(*args, measured=None, **kwargs):  # a first placement with gathers, hooks and offload
+        if measured is None:
+            return [lightning_zero.ZeroConfig(stage=3, offload_optimizer="cpu", offload_fraction=0.7).to_dict(), "test"]
+        return real(*args, measured=measured, **kwargs)
+
+    monkeypatch.setattr(planner, "plan_for_run", stage3_first)
+    seen = {}
+
+    class Watch(pl.Callback):
+        def on_train_start(self, trainer, pl_module):
+            engine = trainer.strategy.engine
+            seen["engine"] = weakref.ref(engine)
+            seen["tensors"] = [weakref.ref(t) for u in engine.units
+                               for t in [u.master, *u.pieces] if t is not None]
+            seen["bytes"] = sum(r().untyped_storage().nbytes() for r in seen["tensors"])
+
+    pl.seed_everything(0, verbose=False)
+    module = Wide(None)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy="zero_auto", max_steps=2, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         use_distributed_sampler=False, callbacks=[Watch()])
+    strategy = trainer.strategy
+    strategy._replanner.meter = SimulatedMeter(USED)
+    rebuild = strategy._rebuild_from_host
+
+    def measured_rebuild():
+        alive = [r() for r in seen["tensors"] if r() is not None]
+        seen["at_rebuild"] = (seen["engine"]() is None, sum(t.untyped_storage().nbytes() for t in alive))
+        rebuild()
+
+    strategy._rebuild_from_host = measured_rebuild
+    gc.disable()
+    try:
+        with pytest.warns(UserWarning, match="moved from zero3 offload cpu 70% to zero2"):
+            trainer.fit(module, DataLoader(TensorDataset(torch.randn(32, 1024)), batch_size=8))
+    finally:
+        gc.enable()
+    assert seen["bytes"] >= 4 * WIDE_PARAMS  # the masters and the pieces viewing them
+    assert seen["at_rebuild"] == (True, 0)

@@ -285,6 +285,19 @@ class ZeroEngine:
         if self.offloader is not None:
             self.offloader.close()
 
+    def free(self) -> None:
+        """After ``unflatten`` and ``close``, before another engine is built beside it (zero_auto's move): drop
+        every tensor this engine holds, so that whatever still references it holds no memory. An autograd graph
+        the user (or Lightning) keeps, and the optimizers the run was given, can outlive the engine; the
+        engine's own reference cycles wait for the cycle collector."""
+        for optimizer in self.optimizers:
+            for unit in self.units:
+                for piece in unit.pieces:
+                    optimizer.state.pop(piece, None)
+        for unit in self.units:
+            unit.forget()
+        self.units, self.offloader, self.reducer, self.gatherer = [], None, None, None
+
     @torch.no_grad()
     def broadcast_buffers(self) -> None:
         """Rank 0's buffers on every rank (DDP's ``broadcast_buffers``), one flat collective per dtype."""

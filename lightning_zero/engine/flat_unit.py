@@ -156,6 +156,15 @@ class FlatUnit:
         """Forget the flat compute buffer (the module holds its parameters elsewhere)."""
         self.full, self.views = None, []
 
+    def forget(self) -> None:
+        """After the module got its parameters back as copies: let go of every buffer. Each piece (what the
+        optimizer holds) becomes empty, since an optimizer still referenced elsewhere would keep the master."""
+        for piece in self.pieces:
+            if piece is not None:
+                piece.data, piece.grad = piece.data.new_empty(0), None
+        self.drop_full()
+        self.master = self.grad_shard = self.grad_full = self.param_shard = None
+
     def restore_params(self) -> None:
         """Point the parameters at the unit's buffer (or placeholders) again after something replaced their
         ``.data`` (Lightning's teardown moves the module to the CPU)."""

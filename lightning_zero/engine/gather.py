@@ -37,6 +37,7 @@ inside Lightning's ``inference_mode`` evaluation must stay usable by training af
 from __future__ import annotations
 
 import enum
+import weakref
 from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -66,14 +67,32 @@ class TrainingState(enum.Enum):
     POST_BACKWARD = "post_backward"  # its backward has ended this step (IDLE again at the end of backward)
 
 
+def _weak_hook(method: Any, call: _Call) -> Any:
+    """A grad hook for ``call`` that holds the gatherer weakly: the autograd graph keeps its hooks on the C++
+    side, out of the cycle collector's sight, for as long as the user keeps the loss; a strong reference would
+    keep a released engine (its units, masters and buffers) alive beside the next one (zero_auto's move)."""
+    method = weakref.WeakMethod(method)
+
+    def hook(_grads: Any) -> None:
+        bound = method()
+        if bound is not None:
+            bound(call)
+
+    return hook
+
+
 class _Call:
     """One forward call of a group module; its backward holds the group from pre- to post-backward."""
 
-    __slots__ = ("group", "held")
+    __slots__ = ("_group", "held")
 
     def __init__(self, group: _Group) -> None:
-        self.group = group
+        self._group = weakref.ref(group)  # the gatherer owns its groups; a graph that outlives it holds calls
         self.held = False
+
+    @property
+    def group(self) -> _Group:
+        return self._group()
 
 
 class _UnitGather:
@@ -117,12 +136,14 @@ class _PostBackward(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, gatherer: Gatherer, call: _Call, *inputs: torch.Tensor) -> tuple:
-        ctx.gatherer, ctx.call = gatherer, call
+        ctx.gatherer, ctx.call = weakref.ref(gatherer), call  # weakly: see _weak_hook
         return inputs
 
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> tuple:
-        ctx.gatherer.post_backward(ctx.call)
+        gatherer = ctx.gatherer()
+        if gatherer is not None:
+            gatherer.post_backward(ctx.call)
         return (None, None) + grads
 
 
@@ -378,14 +399,12 @@ class Gatherer:
             return
         tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
         if tensors:
-            torch.autograd.graph.register_multi_grad_hook(tensors, lambda _g, c=call: self.pre_backward(c),
-                                                          mode="any")
+            torch.autograd.graph.register_multi_grad_hook(tensors, _weak_hook(self.pre_backward, call), mode="any")
 
     def _release_after_nested_backward(self, call: _Call, args: Any) -> None:
         inputs = [t for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
         if inputs:  # reentrant recomputation: the nested backward reaches these inputs last
-            torch.autograd.graph.register_multi_grad_hook(inputs, lambda _g, c=call: self.post_backward(c),
-                                                          mode="all")
+            torch.autograd.graph.register_multi_grad_hook(inputs, _weak_hook(self.post_backward, call), mode="all")
 
     @torch.compiler.disable
     def _pre_forward_member(self, module: nn.Module, args: Any) -> None:

@@ -79,8 +79,8 @@ class ZeroPrecision(Precision):
         self.scaling.flush()
         return self.scaling.scaler
 
-    def attach(self, engine: ZeroEngine, device_type: str) -> None:
-        self._engine = engine
+    def attach(self, engine: Optional[ZeroEngine], device_type: str) -> None:
+        self._engine = engine  # None: released (a new engine comes, see ZeroStrategy._release_engine)
         self.device_type = device_type
 
     @property
