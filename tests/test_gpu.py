@@ -160,14 +160,10 @@ def test_activation_probe_predicts_the_peak_of_the_full_depth(checkpointing):
     assert abs(probe.total - measured) <= 0.1 * measured, (probe, measured)
 
 
-def test_zero_auto_measures_the_activations_of_its_first_step():
-    """The allocator peak of the first step under zero_auto is this module's activation memory: close to
-    the peak of the same forward and backward in plain PyTorch above its parameters and gradients."""
+def _wide():
+    """An MLP LightningModule with 18.9M parameters (the zero_auto checks below)."""
     import lightning.pytorch as pl
     from torch import nn
-    from torch.utils.data import DataLoader, TensorDataset
-
-    import lightning_zero
 
     class Wide(pl.LightningModule):
         def __init__(self):
@@ -181,9 +177,20 @@ def test_zero_auto_measures_the_activations_of_its_first_step():
         def configure_optimizers(self):
             return torch.optim.AdamW(self.parameters(), lr=1e-4)
 
+    return Wide()
+
+
+def test_zero_auto_measures_the_activations_of_its_first_step():
+    """The allocator peak of the first step under zero_auto is this module's activation memory: close to
+    the peak of the same forward and backward in plain PyTorch above its parameters and gradients."""
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader, TensorDataset
+
+    import lightning_zero
+
     data = torch.randn(8 * 1024, 512)
     torch.manual_seed(0)
-    plain = Wide().cuda()
+    plain = _wide().cuda()
     x = data[:1024].cuda()
     plain.net(x).pow(2).mean().backward()  # gradients exist, as they do at the engine's step start
     torch.cuda.synchronize()
@@ -197,7 +204,7 @@ def test_zero_auto_measures_the_activations_of_its_first_step():
     assert lightning_zero
     trainer = pl.Trainer(accelerator="gpu", devices=1, strategy="zero_auto", max_steps=2, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
-    trainer.fit(Wide(), DataLoader(TensorDataset(data), batch_size=1024))
+    trainer.fit(_wide(), DataLoader(TensorDataset(data), batch_size=1024))
     measured = trainer.strategy._replanner.measured
     assert measured is not None and 0.5 * reference <= measured <= 2 * reference, (measured, reference)
 
@@ -212,23 +219,10 @@ def test_zero_auto_gives_the_gpu_memory_of_its_first_placement_back_before_the_n
     import gc
 
     import lightning.pytorch as pl
-    from torch import nn
     from torch.utils.data import DataLoader, TensorDataset
 
     import lightning_zero
     from lightning_zero import planner
-
-    class Wide(pl.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.net = nn.Sequential(nn.Linear(512, 4096), nn.GELU(), nn.Linear(4096, 4096), nn.GELU(),
-                                     nn.Linear(4096, 1))
-
-        def training_step(self, batch, batch_idx):
-            return self.net(batch[0]).pow(2).mean()
-
-        def configure_optimizers(self):
-            return torch.optim.AdamW(self.parameters(), lr=1e-4)
 
     def first_on_the_gpu_then_offload(*args, measured=None, **kwargs):
         offload = {} if measured is None else {"offload_optimizer": "cpu"}
@@ -260,10 +254,10 @@ def test_zero_auto_gives_the_gpu_memory_of_its_first_placement_back_before_the_n
     gc.disable()
     try:
         with pytest.warns(UserWarning, match="moved from zero2 to zero2 offload"):
-            trainer.fit(Wide(), DataLoader(TensorDataset(torch.randn(1024, 512)), batch_size=256))
+            trainer.fit(_wide(), DataLoader(TensorDataset(torch.randn(1024, 512)), batch_size=256))
     finally:
         gc.enable()
-    params = sum(p.numel() for p in Wide().parameters())
+    params = sum(p.numel() for p in _wide().parameters())
     assert seen["start"] >= 4 * params  # at least the fp32 parameters (the masters) of the first placement
     assert seen["rebuild"] < 0.1 * seen["start"], seen  # what is left: the batch and the loss
     assert len(seen["losses"]) == 3 and all(math.isfinite(v) for v in seen["losses"])

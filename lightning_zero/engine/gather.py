@@ -50,6 +50,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from ..collectives import Comm, Handle
 from .flat_unit import FlatUnit, UnitState
+from .weak import weakly
 
 __all__ = ["Gatherer", "TrainingState"]
 
@@ -65,20 +66,6 @@ class TrainingState(enum.Enum):
     FORWARD = "forward"  # one or more of its forwards are running
     PRE_BACKWARD = "pre_backward"  # its backward has started: held (gathered) until it ends
     POST_BACKWARD = "post_backward"  # its backward has ended this step (IDLE again at the end of backward)
-
-
-def _weak_hook(method: Any, call: _Call) -> Any:
-    """A grad hook for ``call`` that holds the gatherer weakly: the autograd graph keeps its hooks on the C++
-    side, out of the cycle collector's sight, for as long as the user keeps the loss; a strong reference would
-    keep a released engine (its units, masters and buffers) alive beside the next one (zero_auto's move)."""
-    method = weakref.WeakMethod(method)
-
-    def hook(_grads: Any) -> None:
-        bound = method()
-        if bound is not None:
-            bound(call)
-
-    return hook
 
 
 class _Call:
@@ -136,7 +123,7 @@ class _PostBackward(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, gatherer: Gatherer, call: _Call, *inputs: torch.Tensor) -> tuple:
-        ctx.gatherer, ctx.call = weakref.ref(gatherer), call  # weakly: see _weak_hook
+        ctx.gatherer, ctx.call = weakref.ref(gatherer), call  # weakly: see weak.py
         return inputs
 
     @staticmethod
@@ -399,12 +386,14 @@ class Gatherer:
             return
         tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
         if tensors:
-            torch.autograd.graph.register_multi_grad_hook(tensors, _weak_hook(self.pre_backward, call), mode="any")
+            pre_backward = weakly(self.pre_backward)
+            torch.autograd.graph.register_multi_grad_hook(tensors, lambda _g: pre_backward(call), mode="any")
 
     def _release_after_nested_backward(self, call: _Call, args: Any) -> None:
         inputs = [t for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
         if inputs:  # reentrant recomputation: the nested backward reaches these inputs last
-            torch.autograd.graph.register_multi_grad_hook(inputs, _weak_hook(self.post_backward, call), mode="all")
+            post_backward = weakly(self.post_backward)
+            torch.autograd.graph.register_multi_grad_hook(inputs, lambda _g: post_backward(call), mode="all")
 
     @torch.compiler.disable
     def _pre_forward_member(self, module: nn.Module, args: Any) -> None:

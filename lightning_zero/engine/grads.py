@@ -29,7 +29,6 @@ in the fp32 ``grad_shard``; stage 1 keeps its buffer (in ``accum_dtype``) for th
 from __future__ import annotations
 
 import time
-import weakref
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -42,6 +41,7 @@ from torch.profiler import record_function
 from ..collectives import Comm, Handle
 from .flat_unit import FlatUnit
 from .readiness import reached_leaves
+from .weak import weakly
 
 __all__ = ["GradientReducer", "ReducePolicy"]
 
@@ -158,13 +158,7 @@ class GradientReducer:
         its units, their parameters and so the whole model alive after the user dropped them (every
         stage-3 fit in a loop would leak one). The hook holds the reducer weakly.
         """
-        on_grad = weakref.WeakMethod(self._on_grad)
-
-        def hook(param: torch.Tensor) -> None:
-            method = on_grad()
-            if method is not None:
-                method(param)
-
+        hook = weakly(self._on_grad)
         for unit in self.units:
             for param in unit.params:
                 if param.requires_grad and id(param) not in self._hooks:
