@@ -39,6 +39,7 @@ class HostBudget:
     cgroup_limit: Optional[int]
     source: str  # "MemAvailable" or the cgroup file that bounds it
     headroom: int = 0  # of node_free, kept for the OS, the page cache and the job's small allocations (node-wide)
+    returning: int = 0  # per rank: host bytes this rank holds now and gives back before the placement allocates
 
     @property
     def headroom_per_rank(self) -> int:
@@ -47,9 +48,11 @@ class HostBudget:
     def describe(self) -> str:
         limit = (f", cgroup limit {self.cgroup_limit / GiB:.1f} GiB with {self.cgroup_free / GiB:.1f} GiB free"
                  if self.cgroup_limit is not None else "")
+        back = (f", plus {self.returning / GiB:.1f} GiB per rank held now and given back before the placement "
+                f"allocates" if self.returning else "")
         return (f"{self.per_rank / GiB:.1f} GiB per rank ({self.node_free / GiB:.1f} GiB free on the node shared "
-                f"by {self.ranks_on_node} rank(s); MemAvailable {self.mem_available / GiB:.1f} GiB{limit}; bound by "
-                f"{self.source})")
+                f"by {self.ranks_on_node} rank(s); MemAvailable {self.mem_available / GiB:.1f} GiB{limit}{back}; "
+                f"bound by {self.source})")
 
 
 def _read_int(path: Path) -> Optional[int]:
@@ -142,10 +145,12 @@ def cgroup_free(root: Path) -> tuple[Optional[int], Optional[int], str]:
     return best
 
 
-def read_host_budget(ranks_on_node: int = 1, root: Any = None) -> HostBudget:
+def read_host_budget(ranks_on_node: int = 1, root: Any = None, returning: int = 0) -> HostBudget:
     """What each of the node's ``ranks_on_node`` ranks may plan to allocate on the host, from
     ``MemAvailable`` and the tightest cgroup limit (``root``: where /proc and /sys are; the
-    ``LIGHTNING_ZERO_HOST_ROOT`` environment variable, else ``/``)."""
+    ``LIGHTNING_ZERO_HOST_ROOT`` environment variable, else ``/``). ``returning``: bytes each rank holds now
+    and frees before the placement allocates its own (a module built in host memory, which the engine copies
+    to the GPU unit by unit; a placement being replaced): they count as free."""
     root = Path(root if root is not None else os.environ.get("LIGHTNING_ZERO_HOST_ROOT", "/"))
     available = mem_available(root)
     free, limit, source = cgroup_free(root)
@@ -153,9 +158,10 @@ def read_host_budget(ranks_on_node: int = 1, root: Any = None) -> HostBudget:
     if free is not None and free < available:
         node_free, bound, total = free, f"the cgroup limit (/{source})", limit
     ranks = max(1, int(ranks_on_node))
+    node_free += max(0, int(returning)) * ranks  # every rank of the node holds (and gives back) its own copy
     return HostBudget(per_rank=node_free // ranks, node_free=node_free, ranks_on_node=ranks,
                       mem_available=available, cgroup_free=free, cgroup_limit=limit, source=bound,
-                      headroom=int(max(HEADROOM_MIN, HEADROOM_SHARE * (total or 0))))
+                      headroom=int(max(HEADROOM_MIN, HEADROOM_SHARE * (total or 0))), returning=max(0, int(returning)))
 
 
 MARGIN = 0.05  # measured host use above the plan: 112.0 GiB RSS against 108.3 planned (13B, zero3 offload 55%)

@@ -12,6 +12,8 @@ traffic that fits (``strategy="zero_auto"``).
 
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -300,16 +302,17 @@ def gpu_budget(device: Any) -> int:
 
 
 def hardware_here(device: object, gpus_per_node: int, nodes: int, config: ZeroConfig,
-                  activation_share: float = ACTIVATION_SHARE) -> Hardware:
+                  activation_share: float = ACTIVATION_SHARE, host_returning: int = 0) -> Hardware:
     """The node this process runs on: the GPU memory this process may use less ``activation_share`` of it,
-    the host memory the node (its cgroup) can still give (see host_memory) and the NVMe directory's free space."""
+    the host memory the node (its cgroup) can still give (see host_memory; ``host_returning``: bytes each rank
+    holds now and frees before the placement allocates) and the NVMe directory's free space."""
     import os
     import shutil
 
     from .host_memory import read_host_budget
 
     gpu = gpu_budget(device) if getattr(device, "type", "") == "cuda" else 0
-    budget = read_host_budget(gpus_per_node)
+    budget = read_host_budget(gpus_per_node, returning=host_returning)
     host = max(0, budget.node_free - budget.headroom)  # the last bytes stay with the system (host_memory)
     path = config.nvme_path or os.environ.get("LIGHTNING_ZERO_NVME_PATH")
     nvme = shutil.disk_usage(path).free if path and os.path.isdir(path) else 0
@@ -327,44 +330,45 @@ def host_bytes_per_rank(num_params: int, config: ZeroConfig, world: int, compute
 
 
 def plan_for_run(module: Any, device: Any, gpus_per_node: int, nodes: int, config: ZeroConfig, compute_dtype: Any,
-                 accumulate: int, activations: int = 0, measured: Optional[int] = None) -> list:
+                 accumulate: int, activations: int = 0, measured: Optional[int] = None, host_returning: int = 0) -> list:
     """``[config as a dict, why]``: what ``zero_auto`` chooses for this module on this machine.
 
     Before any step ran (``measured`` None) a share of the GPU stays free for activations (``activations``:
     room known to be needed beyond it, after the first step ran out of memory); when nothing fits so, a
     smaller share on a GPU, the first step's measurement then decides (replan.py). With ``measured`` (the
-    activation bytes the first step used, margin included) nothing else is kept back."""
+    activation bytes the first step used, margin included) nothing else is kept back. ``host_returning``: host
+    bytes each rank holds now and frees before the placement allocates (see host_memory.read_host_budget)."""
     import torch
 
     numel = sum(p.numel() for p in module.parameters())
     kwargs = dict(compute_bytes=2 if compute_dtype != torch.float32 else 4, accumulate=accumulate)
+    here = functools.partial(hardware_here, device, gpus_per_node, nodes, config, host_returning=host_returning)
     if measured is not None:
-        choice = choose(numel, hardware_here(device, gpus_per_node, nodes, config, 0.0), config,
+        choice = choose(numel, here(0.0), config,
                         activations=measured, **kwargs)
         return [choice.config.to_dict(), f"{choice.why}; activations as measured in the first step: "
                                          f"{measured / GiB:.2f} GiB with the margin"]
     try:
-        choice = choose(numel, hardware_here(device, gpus_per_node, nodes, config), config,
-                        activations=activations, **kwargs)
+        choice = choose(numel, here(ACTIVATION_SHARE), config, activations=activations, **kwargs)
         note = f"{ACTIVATION_SHARE:.0%} of the GPU kept for activations until the first step measures them"
     except ValueError:
         if getattr(device, "type", "") != "cuda":
             raise
-        choice = choose(numel, hardware_here(device, gpus_per_node, nodes, config, ACTIVATION_FLOOR), config,
-                        activations=activations, **kwargs)
+        choice = choose(numel, here(ACTIVATION_FLOOR), config, activations=activations, **kwargs)
         note = (f"provisional: nothing fits with {ACTIVATION_SHARE:.0%} of the GPU kept for activations, so "
                 f"{ACTIVATION_FLOOR:.0%} until the first step measures them")
     return [choice.config.to_dict(), f"{choice.why}; {note}"]
 
 
 def fits_measured(module: Any, device: Any, gpus_per_node: int, nodes: int, config: ZeroConfig, compute_dtype: Any,
-                  accumulate: int, measured: int) -> bool:
+                  accumulate: int, measured: int, host_returning: int = 0) -> bool:
     """Whether ``config`` (the placement running) fits this machine with the ``measured`` activation bytes (margin
-    included) and the optimizer state the first step has not created yet."""
+    included) and the optimizer state the first step has not created yet (``host_returning``: the host bytes
+    the running placement holds already, part of its estimate)."""
     import torch
 
     numel = sum(p.numel() for p in module.parameters())
-    row = estimate(numel, config, hardware_here(device, gpus_per_node, nodes, config, 0.0),
+    row = estimate(numel, config, hardware_here(device, gpus_per_node, nodes, config, 0.0, host_returning),
                    compute_bytes=2 if compute_dtype != torch.float32 else 4, accumulate=accumulate,
                    activations=measured)
     return row.fits

@@ -227,8 +227,8 @@ class ZeroStrategy(ParallelStrategy):
         needed = host_bytes_per_rank(numel, self.config, self.world_size,
                                      4 if self.precision_plugin.compute_dtype == torch.float32 else 2,
                                      int(trainer.accumulate_grad_batches or 1))
-        self._refuse_on_every_rank(
-            shortfall(needed, read_host_budget(self.num_processes), f"ZeroStrategy ({placement_name(self.config)})"))
+        budget = read_host_budget(self.num_processes, returning=self._module_bytes_on_host())
+        self._refuse_on_every_rank(shortfall(needed, budget, f"ZeroStrategy ({placement_name(self.config)})"))
 
     def _refuse_on_every_rank(self, problem: Optional[str]) -> None:
         """Any rank's host-memory problem stops every rank (one rank raising alone would leave the others hanging)."""
@@ -294,7 +294,7 @@ class ZeroStrategy(ParallelStrategy):
         config, why = self.comm.broadcast_object(plan_for_run(
             self.lightning_module, self.root_device, self.num_processes, self.num_nodes, self._auto_config,
             self.precision_plugin.compute_dtype, int(trainer.accumulate_grad_batches or 1),
-            activations=self._replanner.extra, measured=measured), src=0)
+            activations=self._replanner.extra, measured=measured, host_returning=self._module_bytes_on_host()), src=0)
         self.config = ZeroConfig.from_dict(config)
         self.precision_plugin.configure(self.config, explicit=False)
         log.info("lightning_zero zero_auto: %s", why)
@@ -322,7 +322,7 @@ class ZeroStrategy(ParallelStrategy):
             raise error from err
         if placement_name(self.config) == before:
             raise error
-        self._rebuild_from_host()
+        self.model_to_device()
         self._build_engine(trainer, fitting=True)
         rank_zero_warn(f"lightning_zero zero_auto: out of GPU memory in the first step under {before}; planned again "
                        f"with {extra / 2**30:.2f} GiB more for activations: {placement_name(self.config)}, and ran "
@@ -354,11 +354,12 @@ class ZeroStrategy(ParallelStrategy):
         before, measured_gib = placement_name(self.config), f"{measured / 2**30:.2f} GiB"
         accumulate = int(trainer.accumulate_grad_batches or 1)
         place = (self.lightning_module, self.root_device, self.num_processes, self.num_nodes)
+        held = self.engine.held_host_bytes() if self.engine is not None else 0  # given back before a move
         fits_now = fits_measured(*place, self.config, self.precision_plugin.compute_dtype, accumulate,
-                                 self._measured_plan())
+                                 self._measured_plan(), host_returning=held)
         try:
             config, why = plan_for_run(*place, self._auto_config, self.precision_plugin.compute_dtype, accumulate,
-                                       measured=self._measured_plan())
+                                       measured=self._measured_plan(), host_returning=held)
             found: Optional[ZeroConfig] = ZeroConfig.from_dict(config)
         except ValueError:  # nothing fits the estimate (the running placement did run its forward and backward)
             found = None
@@ -386,7 +387,7 @@ class ZeroStrategy(ParallelStrategy):
             torch.cuda.empty_cache()
         self.config = found
         self.precision_plugin.configure(self.config, explicit=False)
-        self._rebuild_from_host()
+        self.model_to_device()
         self._build_engine(trainer, fitting=True)
         how = ("less than kept free" if fits_now else
                f"more than {before} leaves room for beside the optimizer state its first step creates")
@@ -394,12 +395,16 @@ class ZeroStrategy(ParallelStrategy):
                        f"moved from {before} to {placement_name(self.config)} and ran the step again ({why})")
         return True
 
-    def _rebuild_from_host(self) -> None:
-        """zero_auto's new placement: the module was handed back in host memory; the engine copies each unit's
-        parameters to the device as it builds it, so only buffers (and parameters it does not flatten) move now.
-        Moving the whole fp32 module first put it on the GPU beside the new placement's masters: a 2.7B model
-        under a 24 GiB cap ran out of memory there."""
+    def model_to_device(self) -> None:
+        """Buffers and the parameters the engine does not flatten go to the device now; the floating-point
+        parameters stay where they are until the engine builds their unit and copies them to the device then,
+        one unit at a time: a module built in host memory (or handed back there by a zero_auto move) never
+        sits whole on the GPU beside the masters (a 2.7B model under a 24 GiB cap ran out of memory there), and
+        its host memory is given back unit by unit as the engine takes it. A meta module is materialized (and
+        sharded) by the engine."""
         assert self.model is not None
+        if has_meta(self.model):
+            return
         for module in self.model.modules():
             for name, buffer in module._buffers.items():
                 if buffer is not None:
@@ -408,10 +413,14 @@ class ZeroStrategy(ParallelStrategy):
                 if param is not None and not param.is_floating_point():  # cannot require grad: no optimizer holds it
                     module._parameters[name] = torch.nn.Parameter(param.detach().to(self.root_device), requires_grad=False)
 
-    def model_to_device(self) -> None:
-        assert self.model is not None
-        if not has_meta(self.model):  # a meta model is materialized (and sharded) by the engine
-            self.model.to(self.root_device)
+    def _module_bytes_on_host(self) -> int:
+        """Host bytes of the module's floating-point parameters that the engine takes to the device as it builds
+        its units (freed there, before the offloaded state is allocated): they count as host memory the placement
+        may use. 0 on a CPU device (the engine's copies stay in host memory)."""
+        if self.root_device.type == "cpu":
+            return 0
+        return sum(p.numel() * p.element_size() for p in self.lightning_module.parameters()
+                   if p.is_floating_point() and p.device.type == "cpu")
 
     @contextmanager
     def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:

@@ -243,14 +243,14 @@ def test_zero_auto_gives_the_gpu_memory_of_its_first_placement_back_before_the_n
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          callbacks=[Watch()])
     strategy = trainer.strategy
-    rebuild = strategy._rebuild_from_host
+    rebuild = strategy.model_to_device
 
-    def measured_rebuild():
+    def measured_rebuild():  # also called at setup, before the first engine exists: the last call counts
         torch.cuda.synchronize()
         seen["rebuild"] = torch.cuda.memory_allocated()
         rebuild()
 
-    strategy._rebuild_from_host = measured_rebuild
+    strategy.model_to_device = measured_rebuild
     gc.disable()
     try:
         with pytest.warns(UserWarning, match="moved from zero2 to zero2 offload"):

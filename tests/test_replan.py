@@ -144,7 +144,7 @@ class SimulatedMeter:
 
 def _gpu_of(total: int):
     """hardware_here for a simulated GPU of ``total`` bytes (honouring the share zero_auto keeps back)."""
-    def here(device, gpus_per_node, nodes, config, activation_share=planner.ACTIVATION_SHARE):
+    def here(device, gpus_per_node, nodes, config, activation_share=planner.ACTIVATION_SHARE, host_returning=0):
         return planner.Hardware(gpu_bytes=int(total * (1 - activation_share)), host_bytes=64 * 2**30)
     return here
 
@@ -329,7 +329,7 @@ def test_a_new_placement_takes_the_parameters_from_the_host_itself():
     model.register_parameter("count", nn.Parameter(torch.zeros(2, dtype=torch.int64), requires_grad=False))
     strategy = OnMeta(config="zero_auto")
     strategy.model = model
-    strategy._rebuild_from_host()
+    strategy.model_to_device()
     assert model[0].weight.device.type == "cpu" and model[1].weight.device.type == "cpu"
     assert model[1].running_mean.device.type == "meta" and model.count.device.type == "meta"
 
@@ -369,14 +369,15 @@ def test_the_first_placement_is_freed_before_the_next_is_built(monkeypatch):
                          use_distributed_sampler=False, callbacks=[Watch()])
     strategy = trainer.strategy
     strategy._replanner.meter = SimulatedMeter(USED)
-    rebuild = strategy._rebuild_from_host
+    rebuild = strategy.model_to_device
 
-    def measured_rebuild():
-        alive = [r() for r in seen["tensors"] if r() is not None]
-        seen["at_rebuild"] = (seen["engine"]() is None, sum(t.untyped_storage().nbytes() for t in alive))
+    def measured_rebuild():  # also called at setup, before the first engine exists
+        if "engine" in seen:
+            alive = [r() for r in seen["tensors"] if r() is not None]
+            seen["at_rebuild"] = (seen["engine"]() is None, sum(t.untyped_storage().nbytes() for t in alive))
         rebuild()
 
-    strategy._rebuild_from_host = measured_rebuild
+    strategy.model_to_device = measured_rebuild
     gc.disable()
     try:
         with pytest.warns(UserWarning, match="moved from zero3 offload cpu 70% to zero2"):

@@ -25,6 +25,16 @@ for clip in ${CLIPS-0 1.0}; do
 done
 if [ -z "${SKIP_NVME:-}" ]; then  # where the NVMe path's host memory goes: anonymous vs file pages, setup vs training
   mkdir -p /tmp/lz_nvme
+  # the same training without offload: the process's own anonymous memory (interpreter, torch, the CUDA context and
+  # the kernels it loads, Lightning, the data) that no placement plan counts
+  timeout 100 python3 examples/bench/gpt_bench.py --strategy zero3 --layers 24 --d-model 2048 --heads 16 --seq 2048 \
+    --batch 8 --warmup 1 --steps 2 --tag nvme_base > /tmp/nvme_base.log 2>&1
+  echo "== nvme_base rc=$?"; grep -E "^RESULT" /tmp/nvme_base.log | python3 -c "
+import json, sys
+for line in sys.stdin:
+    r = json.loads(line[7:])
+    print({k: v for k, v in r.items() if 'host' in k or k in ('status', 'error', 'tokens_per_s')})"
+  { echo "===== nvme_base"; cat /tmp/nvme_base.log; } >> "$OUT/logs.txt"
   timeout 120 python3 examples/bench/gpt_bench.py --strategy zero3 --layers 24 --d-model 2048 --heads 16 --seq 2048 \
     --batch 8 --warmup 1 --steps 2 --plan --tag nvme --zero offload_optimizer=nvme offload_params=nvme \
     nvme_path=/tmp/lz_nvme nvme_buffer_bytes=6e9 > /tmp/nvme.log 2>&1

@@ -298,6 +298,13 @@ class ZeroEngine:
             unit.forget()
         self.units, self.offloader, self.reducer, self.gatherer = [], None, None, None
 
+    def held_host_bytes(self) -> int:
+        """Host bytes of the offloaded units' masters, gradient arena and optimizer state: what ``free`` gives
+        back (zero_auto plans a move with them counted as free)."""
+        from .memory import offloaded_bytes
+
+        return offloaded_bytes(self).get("host", 0) if self.offloader is not None else 0
+
     @torch.no_grad()
     def broadcast_buffers(self) -> None:
         """Rank 0's buffers on every rank (DDP's ``broadcast_buffers``), one flat collective per dtype."""

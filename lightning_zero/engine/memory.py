@@ -144,7 +144,7 @@ def memory_report(engine: ZeroEngine) -> MemoryReport:
         measured["gradients"] += engine.grad_bytes_at_step
     shard_elems = sum(u.layout.shard_numel for u in engine.units) or 1
     state_bytes_per_elem = measured["optimizer_state"] / shard_elems
-    offloaded = _offloaded(engine)
+    offloaded = offloaded_bytes(engine)
     planned = _planned(engine, n, state_bytes_per_elem)
     return MemoryReport(offloaded=offloaded, planned_device=planned[0], planned_host=planned[1], planned_nvme=planned[2],
                         **_base(engine, n, w, stage, measured, state_bytes_per_elem))
@@ -158,7 +158,7 @@ def _base(engine: ZeroEngine, n: int, w: int, stage: int, measured: dict, state_
                         window_gradients=0 if engine.config.shard_grads else engine.reducer.window_full_bytes)
 
 
-def _offloaded(engine: ZeroEngine) -> dict[str, int]:
+def offloaded_bytes(engine: ZeroEngine) -> dict[str, int]:
     """Bytes of the offloaded units' master, gradient arena and optimizer state, by where they live."""
     off = engine.offloader
     if off is None:
