@@ -13,7 +13,6 @@ traffic that fits (``strategy="zero_auto"``).
 from __future__ import annotations
 
 import functools
-
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
