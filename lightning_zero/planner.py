@@ -182,7 +182,8 @@ def plan(num_params: int, hw: Hardware, **kwargs: object) -> list[Placement]:
     ``accumulate`` > 1 each offload row also comes with host accumulation (no device accumulator)."""
     rows = [estimate(num_params, config, hw, **kwargs)
             for candidate in CANDIDATES for config in ([None] if candidate is None else _with_accumulation(candidate, kwargs))]
-    partials = [row for row in (recommend_partial(num_params, hw, stage=s, **kwargs) for s in (2, 3)) if row]
+    partials = [row for row in (recommend_partial(num_params, hw, stage=s, params=where, **kwargs)
+                                for s, where in ((2, "none"), (3, "none"), (3, "cpu"))) if row]
     if partials:
         best = partials[0]  # stage 2 when it fits: no gathers, the least traffic
         for row in partials:
@@ -203,17 +204,20 @@ def _gpu_fits(row: Placement) -> bool:
     return row.gpu_total <= row.gpu_total_cap
 
 
-def recommend_partial(num_params: int, hw: Hardware, stage: int = 2, **kwargs: object) -> Optional[Placement]:
+def recommend_partial(num_params: int, hw: Hardware, stage: int = 2, params: str = "none",
+                      **kwargs: object) -> Optional[Placement]:
     """``stage`` with the smallest offload fraction (to 1%) that fits, when zero2 without offload does not;
     the device accumulator is preferred to host accumulation at the same fraction. (Stage 3 keeps no 16-bit
-    copy of the units it does not offload: the gathers cast their fp32 masters, so it fits more.)
+    copy of the units it does not offload: the gathers cast their fp32 masters, so it fits more; with
+    ``params="cpu"`` the offloaded units keep none on the GPU either: their gathers copy the fp32 host master,
+    which is what fits the largest models on one GPU.)
 
     GPU memory falls and host memory grows with the fraction, so the smallest fraction whose GPU side fits
     is found by bisection, and the placement fits at all only if its host side fits there."""
     if estimate(num_params, ZeroConfig(stage=2), hw, **kwargs).fits:
         return None
     best: Optional[Placement] = None
-    base = ZeroConfig(stage=stage, offload_optimizer="cpu", offload_fraction=0.99)
+    base = ZeroConfig(stage=stage, offload_optimizer="cpu", offload_fraction=0.99, offload_params=params)
     for variant in _with_accumulation(base, kwargs):
         def row_at(percent: int, variant: ZeroConfig = variant) -> Placement:
             return estimate(num_params, variant.replace(offload_fraction=percent / 100), hw, **kwargs)
@@ -232,11 +236,14 @@ def recommend_partial(num_params: int, hw: Hardware, stage: int = 2, **kwargs: o
 
 def choose(num_params: int, hw: Hardware, base: ZeroConfig, **kwargs: object) -> Placement:
     """The first placement that fits, in the order of least traffic: stages without offload, then zero2 and
-    zero3 with the smallest partial offload that fits, full CPU offload, stage 3 with parameters on the CPU, NVMe (each
+    zero3 with the smallest partial offload that fits, the same for zero3 with the offloaded units gathered from
+    the host, full CPU offload, stage 3 with parameters on the CPU, NVMe (each
     offload with a device accumulator before host accumulation). On one GPU, when every placement that fits
     offloads, the one with the least predicted step time among them (the CPU step and PCIe dominate there)."""
     options = [ZeroConfig(stage=s) for s in (2, 3)]
     options += [row.config for row in (recommend_partial(num_params, hw, stage=s, **kwargs) for s in (2, 3)) if row]
+    # the offloaded units' gathers from the host: more PCIe traffic, no 16-bit copy of them on the GPU
+    options += [row.config for row in [recommend_partial(num_params, hw, stage=3, params="cpu", **kwargs)] if row]
     options += [ZeroConfig(stage=2, offload_optimizer="cpu"),
                 ZeroConfig(stage=3, offload_optimizer="cpu", offload_params="cpu")]
     if hw.nvme_bytes:

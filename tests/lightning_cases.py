@@ -185,6 +185,8 @@ def fit_case(rank: int, world: int, module_name: str, strategy: str, precision: 
            "batches_in_backward": offloader.batches_in_backward if offloader is not None else 0,
            "speculations_undone": offloader.speculations_undone if offloader is not None else 0,
            "host_adds": offloader.host_adds if offloader is not None else 0,
+           "offloaded_units": len(offloader.units) if offloader is not None else 0,
+           "units": len(engine.units) if engine is not None else 0,
            "speculation_decision": getattr(engine, "speculation_decision", ""),
            "state": trained_state(trainer, module),
            "dtype": str(next(module.parameters()).dtype)}

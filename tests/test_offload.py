@@ -28,15 +28,24 @@ def world2(nvme_dir):
     return out
 
 
+PARTIAL = {"zero2_half", "zero3_opt_third", "zero2_host_acc", "zero3_half_params_cpu_host_acc"}  # offload_fraction < 1
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("run", ["auto", "zero1_cpu", "zero2_cpu", "zero2_half", "zero3_cpu", "zero3_opt_third",
                                  "zero2_nvme", "zero3_nvme", "zero3_nvme_cpu",
-                                 "zero2_host_acc", "zero3_host_acc", "zero2_nvme_host_acc"])
+                                 "zero2_host_acc", "zero3_host_acc", "zero2_nvme_host_acc",
+                                 "zero3_half_params_cpu_host_acc"])
 def test_fp32_offload_matches_ddp(world2, run):
     # accumulation 2, global-norm clipping 0.5: every offload placement trains like DDP
     for results in world2:
         assert_parity(results[run], results["ddp"])
         assert results[run]["global_step"] == results["ddp"]["global_step"] > 0
+        # a partial placement offloads some units and keeps others (whole units move)
+        if run in PARTIAL:
+            assert 0 < results[run]["offloaded_units"] < results[run]["units"], results[run]["units"]
+        elif run != "auto":
+            assert results[run]["offloaded_units"] == results[run]["units"] > 0
         # host accumulation: every window's earlier micro-batch was added on the host, none otherwise
         assert (results[run]["host_adds"] > 0) == run.endswith("host_acc")
         # small chunks: the worker really stepped while backward ran (the path a GPU run takes)
@@ -283,3 +292,22 @@ def test_when_every_fitting_placement_offloads_one_gpu_takes_the_fastest_predict
     four = Hardware(gpus_per_node=4, gpu_bytes=int(24 * GiB), host_bytes=int(120 * GiB))
     several = choose(4 * n // 10, four, base, activations=int(4 * GiB))
     assert "least predicted step time" not in several.why
+
+
+def test_the_largest_models_gather_their_offloaded_units_from_the_host():
+    # Past the size where zero3 with a partial share offloaded fits, the offloaded units need not keep their
+    # 16-bit copy on the GPU: gathered from the fp32 host master, they leave it room for more parameters.
+    from lightning_zero.planner import GiB, Hardware, choose, estimate, recommend_partial
+
+    hw, kwargs = Hardware(gpu_bytes=int(139 * GiB), host_bytes=int(118 * GiB)), dict(accumulate=6,
+                                                                                    activations=int(10 * GiB))
+    n = 14_200_000_000
+    assert recommend_partial(n, hw, stage=2, **kwargs) is None and recommend_partial(n, hw, stage=3, **kwargs) is None
+    chosen = choose(n, hw, ZeroConfig(auto_placement=True), **kwargs)
+    config = chosen.config
+    assert config.stage == 3 and config.offload_params == "cpu" and 0 < config.offload_fraction < 1, chosen.why
+    row = estimate(n, config, hw, **kwargs)
+    assert row.fits and row.seconds["PCIe"] > estimate(n, config.replace(offload_params="none"), hw, **kwargs).seconds["PCIe"]
+    # below that size the copy stays on the GPU (fewer bytes cross PCIe): the plain partial placement is chosen
+    smaller = choose(12_000_000_000, hw, ZeroConfig(auto_placement=True), **kwargs)
+    assert smaller.config.offload_params == "none"
