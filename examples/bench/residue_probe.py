@@ -52,6 +52,8 @@ def at_rebuild():
     seen["after_small_alloc"] = torch.cuda.memory_allocated()
     gc.collect()
     seen["after_gc"] = torch.cuda.memory_allocated()
+    torch._C._cuda_clearCublasWorkspaces()  # cuBLAS/cuBLASLt workspaces live in the caching allocator
+    seen["after_clearing_cublas_workspaces"] = torch.cuda.memory_allocated()
     print("RESIDUE", seen, flush=True)
     for name, param in st.lightning_module.named_parameters():
         print("PARAM", name, param.device, None if param.grad is None else (param.grad.device, param.grad.numel()))
