@@ -35,7 +35,7 @@ from . import ds_glue, process_group
 from .collectives import Comm
 from .config import ZeroConfig
 from .ds_config import DeepSpeedConfigError, DeepSpeedImport, import_deepspeed_config
-from .engine.materialize import has_meta
+from .engine.materialize import has_meta, move_all_but_flattened
 from .model_engine import ZeroModelEngine
 from .zero import init_rng_for
 
@@ -148,8 +148,8 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None,
     if ds.warnings and comm.rank == 0:
         warnings.warn("lightning_zero read the DeepSpeed config: " + "; ".join(ds.warnings) + ".", stacklevel=2)
     meta = has_meta(model)
-    if not meta:
-        model.to(device)
+    if not meta:  # the engine copies the floating-point parameters to the device unit by unit
+        move_all_but_flattened(model, device)
     params = _trainable(model_parameters, model)
     if optimizer is not None and not callable(optimizer) and ds.optimizer is not None and comm.rank == 0:
         warnings.warn("initialize() got an optimizer and the DeepSpeed config has an \"optimizer\" section: the "

@@ -31,7 +31,7 @@ from .checkpoint import lightning_io
 from .collectives import Comm
 from .config import ZeroConfig, ZeroConfigError, _reject_unknown
 from .engine import ZeroEngine
-from .engine.materialize import RngState, has_meta
+from .engine.materialize import RngState, has_meta, move_all_but_flattened
 from .engine.memory import MemoryReport, memory_report
 from .engine.state import full_model_state, full_optimizer_state
 from .precision.plugin import ZeroPrecision, to_zero_precision
@@ -396,22 +396,12 @@ class ZeroStrategy(ParallelStrategy):
         return True
 
     def model_to_device(self) -> None:
-        """Buffers and the parameters the engine does not flatten go to the device now; the floating-point
-        parameters stay where they are until the engine builds their unit and copies them to the device then,
-        one unit at a time: a module built in host memory (or handed back there by a zero_auto move) never
-        sits whole on the GPU beside the masters (a 2.7B model under a 24 GiB cap ran out of memory there), and
-        its host memory is given back unit by unit as the engine takes it. A meta module is materialized (and
-        sharded) by the engine."""
+        """Everything but the floating-point parameters, which the engine takes to the device unit by unit
+        (``move_all_but_flattened``: a 2.7B model under a 24 GiB cap ran out of memory when zero_auto's move put
+        the whole fp32 module on the GPU beside the new masters). A meta module is materialized by the engine."""
         assert self.model is not None
-        if has_meta(self.model):
-            return
-        for module in self.model.modules():
-            for name, buffer in module._buffers.items():
-                if buffer is not None:
-                    module._buffers[name] = buffer.to(self.root_device)
-            for name, param in module._parameters.items():
-                if param is not None and not param.is_floating_point():  # cannot require grad: no optimizer holds it
-                    module._parameters[name] = torch.nn.Parameter(param.detach().to(self.root_device), requires_grad=False)
+        if not has_meta(self.model):
+            move_all_but_flattened(self.model, self.root_device)
 
     def _module_bytes_on_host(self) -> int:
         """Host bytes of the module's floating-point parameters that the engine takes to the device as it builds

@@ -20,7 +20,8 @@ from typing import Optional
 import torch
 from torch import nn
 
-__all__ = ["has_meta", "materialize_module", "model_initializers", "RngState", "check_no_meta_left"]
+__all__ = ["has_meta", "materialize_module", "model_initializers", "RngState", "check_no_meta_left",
+           "move_all_but_flattened"]
 
 
 class RngState:
@@ -47,6 +48,20 @@ def model_initializers(modules: list[tuple[str, nn.Module]]) -> Callable[[str], 
         return owners[best] if best is not None else None
 
     return initializer
+
+
+def move_all_but_flattened(module: nn.Module, device: torch.device) -> None:
+    """Buffers and the parameters the engine does not flatten (not floating point) go to ``device`` now; the
+    floating-point parameters stay where they are: the engine copies each unit's to the device as it builds that
+    unit, and the old copy dies there. A module built in host memory therefore never sits whole on the GPU beside
+    the masters, and its host memory is given back unit by unit."""
+    for sub in module.modules():
+        for name, buffer in sub._buffers.items():
+            if buffer is not None:
+                sub._buffers[name] = buffer.to(device)
+        for name, param in sub._parameters.items():
+            if param is not None and not param.is_floating_point():  # cannot require grad: no optimizer holds it
+                sub._parameters[name] = nn.Parameter(param.detach().to(device), requires_grad=False)
 
 
 def has_meta(module: nn.Module) -> bool:
