@@ -15,7 +15,7 @@ from lightning.fabric.utilities import distributed as _fabric_distributed
 
 __all__ = ["lightning_optimizers", "is_restarting", "init_process_group", "destroy_process_group",
            "default_backend_for", "set_launcher", "model_summary_settings", "load_directories_in_load_from_checkpoint",
-           "mark_checkpoint_dumps"]
+           "mark_checkpoint_dumps", "record_module_device"]
 
 
 def lightning_optimizers(strategy: Any) -> list[Any]:
@@ -24,6 +24,15 @@ def lightning_optimizers(strategy: Any) -> list[Any]:
     Lightning rebuilds them whenever ``strategy.optimizers`` is set (``Strategy._lightning_optimizers``).
     """
     return list(getattr(strategy, "_lightning_optimizers", []))
+
+
+def record_module_device(module: Any, device: torch.device) -> None:
+    """What ``LightningModule.device`` answers (``_DeviceDtypeModuleMixin._device``, set by ``.to()``): the
+    strategy places the module without ``.to()`` (the engine moves its parameters unit by unit), so it tells
+    Lightning here; ``torch.zeros(..., device=self.device)`` in a user's step then lands on the GPU."""
+    from lightning.fabric.utilities.device_dtype_mixin import _update_properties
+
+    _update_properties(module, device=device)
 
 
 def is_restarting(callback: Any) -> bool:

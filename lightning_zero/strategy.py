@@ -402,6 +402,7 @@ class ZeroStrategy(ParallelStrategy):
         assert self.model is not None
         if not has_meta(self.model):
             move_all_but_flattened(self.model, self.root_device)
+        lightning_compat.record_module_device(self.model, self.root_device)
 
     def _module_bytes_on_host(self) -> int:
         """Host bytes of the module's floating-point parameters that the engine takes to the device as it builds

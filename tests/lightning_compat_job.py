@@ -40,6 +40,9 @@ def main() -> None:
     depth, kwargs = lightning_compat.model_summary_settings(ModelSummary(max_depth=3))
     assert depth == 3 and isinstance(kwargs, dict)
     assert lightning_compat.default_backend_for(torch.device("cpu")) == "gloo"
+    module = pl.LightningModule()
+    lightning_compat.record_module_device(module, torch.device("meta"))
+    assert module.device == torch.device("meta")
     strategy = ZeroStrategy(stage=2)
     lightning_compat.set_launcher(strategy, "launcher")
     assert strategy.launcher == "launcher"

@@ -334,6 +334,23 @@ def test_a_new_placement_takes_the_parameters_from_the_host_itself():
     assert model[1].running_mean.device.type == "meta" and model.count.device.type == "meta"
 
 
+def test_the_lightning_module_reports_the_device_the_strategy_placed_it_on():
+    # without .to() Lightning's record of the device stays "cpu": a step's torch.zeros(..., device=self.device)
+    # would land in host memory on a GPU run. "meta" stands in for the GPU.
+    class OnMeta(lightning_zero.ZeroStrategy):
+        @property
+        def root_device(self):
+            return torch.device("meta")
+
+    for built_on in ("cpu", "meta"):
+        with torch.device(built_on):
+            module = Wide(None)
+        strategy = OnMeta(config="zero2")
+        strategy.model = module
+        strategy.model_to_device()
+        assert module.device == torch.device("meta") and module.net[0].weight.device.type == built_on
+
+
 def test_the_first_placement_is_freed_before_the_next_is_built(monkeypatch):
     # Lightning still holds the first batch's loss (its graph) and the first optimizer while the new placement is
     # built, and the engine sits in reference cycles: on a GPU the old masters outlived the move and the new
