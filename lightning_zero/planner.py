@@ -177,13 +177,18 @@ CANDIDATES = (
 )
 
 
+# (stage, offload_params) of the partial placements searched, in order of traffic: zero2; zero3; zero3 with the
+# offloaded units gathered from the host (more PCIe traffic, no 16-bit copy of them on the GPU)
+PARTIALS = ((2, "none"), (3, "none"), (3, "cpu"))
+
+
 def plan(num_params: int, hw: Hardware, **kwargs: object) -> list[Placement]:
     """Every candidate, plus the recommended partial placement, in the order of least traffic first. With
     ``accumulate`` > 1 each offload row also comes with host accumulation (no device accumulator)."""
     rows = [estimate(num_params, config, hw, **kwargs)
             for candidate in CANDIDATES for config in ([None] if candidate is None else _with_accumulation(candidate, kwargs))]
     partials = [row for row in (recommend_partial(num_params, hw, stage=s, params=where, **kwargs)
-                                for s, where in ((2, "none"), (3, "none"), (3, "cpu"))) if row]
+                                for s, where in PARTIALS) if row]
     if partials:
         best = partials[0]  # stage 2 when it fits: no gathers, the least traffic
         for row in partials:
@@ -241,9 +246,8 @@ def choose(num_params: int, hw: Hardware, base: ZeroConfig, **kwargs: object) ->
     offload with a device accumulator before host accumulation). On one GPU, when every placement that fits
     offloads, the one with the least predicted step time among them (the CPU step and PCIe dominate there)."""
     options = [ZeroConfig(stage=s) for s in (2, 3)]
-    options += [row.config for row in (recommend_partial(num_params, hw, stage=s, **kwargs) for s in (2, 3)) if row]
-    # the offloaded units' gathers from the host: more PCIe traffic, no 16-bit copy of them on the GPU
-    options += [row.config for row in [recommend_partial(num_params, hw, stage=3, params="cpu", **kwargs)] if row]
+    options += [row.config for row in (recommend_partial(num_params, hw, stage=s, params=where, **kwargs)
+                                       for s, where in PARTIALS) if row]
     options += [ZeroConfig(stage=2, offload_optimizer="cpu"),
                 ZeroConfig(stage=3, offload_optimizer="cpu", offload_params="cpu")]
     if hw.nvme_bytes:
@@ -350,8 +354,7 @@ def plan_for_run(module: Any, device: Any, gpus_per_node: int, nodes: int, confi
     kwargs = dict(compute_bytes=2 if compute_dtype != torch.float32 else 4, accumulate=accumulate)
     here = functools.partial(hardware_here, device, gpus_per_node, nodes, config, host_returning=host_returning)
     if measured is not None:
-        choice = choose(numel, here(0.0), config,
-                        activations=measured, **kwargs)
+        choice = choose(numel, here(0.0), config, activations=measured, **kwargs)
         return [choice.config.to_dict(), f"{choice.why}; activations as measured in the first step: "
                                          f"{measured / GiB:.2f} GiB with the margin"]
     try:

@@ -303,7 +303,7 @@ class ZeroEngine:
         back (zero_auto plans a move with them counted as free)."""
         from .memory import offloaded_bytes
 
-        return offloaded_bytes(self).get("host", 0) if self.offloader is not None else 0
+        return offloaded_bytes(self).get("host", 0)
 
     @torch.no_grad()
     def broadcast_buffers(self) -> None:
