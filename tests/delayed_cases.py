@@ -25,6 +25,20 @@ def net() -> nn.Module:
     return nn.Sequential(nn.Linear(DIM, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 1))
 
 
+class TiedNet(nn.Module):
+    """``w`` is used inside a reentrant checkpoint and again outside it: its gradient comes twice in one backward
+    (the second one late, after its unit was reduced)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp, self.w, self.out = nn.Linear(DIM, 16), nn.Linear(16, 16), nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.utils.checkpoint.checkpoint(lambda t: torch.tanh(self.w(t)), self.inp(x), use_reentrant=True)
+        return self.out(self.w(h))
+
+
 class ReadStateAt(pl.Callback):
     """Reads the full state after the given step, as a checkpoint would (the running update must be waited for)."""
 
@@ -37,9 +51,9 @@ class ReadStateAt(pl.Callback):
 
 
 class Regression(pl.LightningModule):
-    def __init__(self, warmup: bool) -> None:
+    def __init__(self, warmup: bool, make=net) -> None:
         super().__init__()
-        self.net = net()
+        self.net = make()
         self.warmup = warmup
         self.losses: list[float] = []
 
@@ -59,14 +73,17 @@ class Regression(pl.LightningModule):
 
 
 def fit(rank: int, world: int, delayed: bool, warmup: bool = True, stage: int = 2, fraction: float = 1.0,
-        clip: float = 0.0, **options) -> dict:
+        clip: float = 0.0, make=net, one_gpu: bool = False, **options) -> dict:
+    """``one_gpu``: every rank on cuda:0, over gloo (see dist_utils.run_ranks): the upload stream and events for real."""
     assert lightning_zero
     pl.seed_everything(0, verbose=False)
-    module = Regression(warmup)
+    module = Regression(warmup, make)
     strategy = ZeroStrategy(stage=stage, offload_optimizer="cpu", offload_fraction=fraction, delayed_step=delayed,
-                            min_group_params=10, param_persistence_threshold=0, **options)
+                            min_group_params=10, param_persistence_threshold=0,
+                            process_group_backend="gloo" if one_gpu else None, **options)
     reader = ReadStateAt(3)
-    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_epochs=1, logger=False,
+    where = dict(accelerator="gpu", devices=1, num_nodes=world) if one_gpu else dict(accelerator="cpu", devices=world)
+    trainer = pl.Trainer(**where, strategy=strategy, max_epochs=1, logger=False,
                          callbacks=[reader],
                          gradient_clip_val=clip or None, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, num_sanity_val_steps=0, use_distributed_sampler=False)
@@ -77,16 +94,20 @@ def fit(rank: int, world: int, delayed: bool, warmup: bool = True, stage: int = 
     stale = sorted(n.removeprefix("net.") for u in offloader.units for n in u.names) if offloader is not None else []
     return {"losses": module.losses, "state": state, "steps": trainer.global_step, "stale": stale,
             "state_at_3": reader.state,
-            "launched": offloader.delayed.launched if offloader is not None and offloader.delayed else 0}
+            "launched": offloader.delayed.launched if offloader is not None and offloader.delayed else 0,
+            "units": len(offloader.units) if offloader is not None else 0,
+            "early": offloader._early.count if offloader is not None and offloader._early else 0,
+            "never_early": sorted(offloader._early.never) if offloader is not None and offloader._early else []}
 
 
-def stale_reference(world: int, warmup: bool = True, clip: float = 0.0, stale: list[str] | None = None) -> dict:
+def stale_reference(world: int, warmup: bool = True, clip: float = 0.0, stale: list[str] | None = None,
+                    make=net) -> dict:
     """The same training in plain PyTorch: from the second step on, each update of the ``stale`` parameters
     (None: all) reaches the values forward uses one step late (ZeRO-Offload's delayed parameter update), the
     others' at once; rank r's k-th batch is what ``fit`` gives it, their mean loss the global batch's."""
-    names = [n for n, _ in net().named_parameters()]
+    names = [n for n, _ in make().named_parameters()]
     late = [stale is None or n in stale for n in names]
-    model = net()
+    model = make()
     master = [p.detach().clone().requires_grad_(True) for p in model.parameters()]
     opt = torch.optim.AdamW(master, lr=LR, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 4)) if warmup else None
@@ -119,11 +140,15 @@ def stale_reference(world: int, warmup: bool = True, clip: float = 0.0, stale: l
     return {"state": after[-1], "after": after}
 
 
-def run_delayed(rank: int, world: int) -> dict:
-    out = {"delayed": fit(rank, world, True), "exact": fit(rank, world, False),
-           "delayed_z3_clip": fit(rank, world, True, stage=3, clip=0.5),
-           "delayed_z2_half": fit(rank, world, True, fraction=0.5, reduce_bucket_size=400)}  # several units
+def run_delayed(rank: int, world: int, one_gpu: bool = False) -> dict:
+    if one_gpu:  # fp32 matmuls as on the host, so that the GPU follows the rule computed there
+        torch.backends.cuda.matmul.allow_tf32 = False
+    out = {"delayed": fit(rank, world, True, one_gpu=one_gpu), "exact": fit(rank, world, False, one_gpu=one_gpu),
+           "delayed_z3_clip": fit(rank, world, True, stage=3, clip=0.5, one_gpu=one_gpu),
+           "delayed_z2_half": fit(rank, world, True, fraction=0.5, reduce_bucket_size=400, one_gpu=one_gpu),  # several units
+           "delayed_tied": fit(rank, world, True, make=TiedNet, reduce_bucket_size=100, one_gpu=one_gpu)}
     if rank == 0:
+        out["reference_tied"] = stale_reference(world, make=TiedNet)
         out["reference"] = stale_reference(world)
         out["reference_clip"] = stale_reference(world, clip=0.5)
         out["reference_half"] = stale_reference(world, stale=out["delayed_z2_half"]["stale"])

@@ -2,7 +2,8 @@
 # One device call: FIRST_RUNS (anchor-harness lines, see anchor_runs_call.sh); the offload figures on the 1.3B GPT
 # (24 x 2048, seq 2048, micro-batch 8, bf16-mixed, no clipping — the anchors' setting): the GPU alone, zero2_offload,
 # zero3_offload, the delayed step, MORE_RUNS; one step of zero2_offload profiled at each clipping value in CLIPS
-# (gpt_bench --profile; text timelines by trace_summary.py); the NVMe path's host memory (anonymous vs file pages,
+# (gpt_bench --profile, with PROFILE_ZERO as its --zero fields, e.g. delayed_step=True; text timelines by
+# trace_summary.py); the NVMe path's host memory (anonymous vs file pages,
 # setup vs training; SKIP_NVME=1 skips it); LARGE ("layers d_model heads": the largest GPT under zero_auto) when
 # more than 200 s of DEADLINE (s, default 590) are left; the GPU tests in TEST_ARGS. Few files come back from a
 # device call: logs go to $OUT/logs.txt, timelines to $OUT/timelines.txt, records to $OUT/results.jsonl.
@@ -18,8 +19,8 @@ ${MORE_RUNS:-}" bash examples/bench/anchor_runs_call.sh
 for clip in ${CLIPS-0 1.0}; do
   timeout 100 python3 examples/bench/gpt_bench.py --strategy zero2_offload --layers 24 --d-model 2048 --heads 16 \
     --seq 2048 --batch 8 --warmup 3 --steps 3 --clip $clip --tag "profile_clip$clip" --profile /tmp/trace_$clip.json \
-    > /tmp/profile.log 2>&1
-  echo "== profile clip=$clip rc=$?"; grep -E "^lightning_zero|Error" /tmp/profile.log | cut -c1-300 | tail -4
+    ${PROFILE_ZERO:+--zero $PROFILE_ZERO} > /tmp/profile.log 2>&1
+  echo "== profile clip=$clip ${PROFILE_ZERO:-} rc=$?"; grep -E "^lightning_zero|Error" /tmp/profile.log | cut -c1-300 | tail -4
   { echo "===== profile clip=$clip"; cat /tmp/profile.log; } >> "$OUT/logs.txt"
   { echo "== clip $clip"; python3 examples/bench/trace_summary.py /tmp/trace_$clip.json; } | tee -a "$OUT/timelines.txt"
 done

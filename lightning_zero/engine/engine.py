@@ -340,8 +340,10 @@ class ZeroEngine:
         described = f"lightning_zero {self.describe_offload()}; host step "
         if self.config.delayed_step:
             self.offloader.disable_overlap()
+            self.reducer.tell_late(self.offloader.late_gradient)  # a unit published early must not get one
             return described + ("one step late (delayed_step): step t's host update runs during window t+1, "
-                                "from gradients one step stale")
+                                "from gradients one step stale; each unit's new values go up once its "
+                                "backward in t+1 is done")
         mode = self.config.speculative_step if self._speculation_verdict is None else self._speculation_verdict
         if speculate and mode is False:
             blocker = f"{speculate}, speculative_step=False"
@@ -363,9 +365,7 @@ class ZeroEngine:
 
         def publish_own(units: list[FlatUnit]) -> None:
             for unit in units:
-                unit.refresh_param_shard()
-                if unit.state is UnitState.UNSHARDED:
-                    unit.gather_source()  # this rank's chunk of the device buffer; the others come at the step
+                unit.publish_own()  # the others' chunks come at the step
 
         self.offloader.enable_overlap(optimizer, self.routes.inner_step(optimizer), fully_used, publish_own,
                                       speculative=bool(speculate))
@@ -587,6 +587,7 @@ class ZeroEngine:
         inner = self.routes.inner_step(optimizer)
         self.grad_bytes_at_step = sum(u.grad_shard.numel() * 4 for u in self.units if u.grad_shard is not None)
         published: set[int] = set()
+        early: set[int] = set()  # units stepped during backward: their own chunk went up then
         if self.offloader is not None:
             def publish(units: list[FlatUnit]) -> None:
                 self.republish(units)
@@ -605,7 +606,7 @@ class ZeroEngine:
         # read the groups only now: until the offloader's step has drained it, the overlap worker may be
         # stepping (with this rank's pieces in the groups) on its thread
         stepped = self._units_with_grads(optimizer)
-        self.republish([u for u in stepped if u.index not in published])
+        self.republish([u for u in stepped if u.index not in published], fresh=frozenset(early - published))
         if self.free_grads_at_step:
             self._drop_grads(self.slots_of(optimizer))
         self._end_trial_step()
@@ -676,21 +677,25 @@ class ZeroEngine:
                 torch._foreach_zero_(dropped[k])
 
     @torch.no_grad()
-    def republish(self, units: Optional[Iterable[FlatUnit]] = None) -> None:
+    def republish(self, units: Optional[Iterable[FlatUnit]] = None, fresh: frozenset[int] = frozenset()) -> None:
         """Refresh the full values of gathered units from their (new) master shards.
 
         Stages 1/2 keep every unit gathered; stage 3 refreshes the ones gathered now (persistent
         small units, a held root). The others are gathered from the new shards at their next use.
+        Units in ``fresh`` (indices) already hold their own chunk of the new values on the device
+        (:meth:`FlatUnit.publish_own`): only the other ranks' chunks are missing.
         """
         units = self.units if units is None else list(units)
         for unit in units:
-            unit.refresh_param_shard()
-        stale = [u for u in units if u.state is UnitState.UNSHARDED]
+            if unit.index not in fresh:
+                unit.refresh_param_shard()
+        stale = [u for u in units if u.state is UnitState.UNSHARDED and not (self.comm.world_size == 1 and u.index in fresh)]
         with record_function("zero/republish"):
-            self._all_gather_units(stale)
+            self._all_gather_units(stale, fresh)
 
-    def _all_gather_units(self, stale: list[FlatUnit]) -> None:
-        handles = [self.comm.all_gather(u.full, u.gather_source(), async_op=True) for u in stale]
+    def _all_gather_units(self, stale: list[FlatUnit], fresh: frozenset[int] = frozenset()) -> None:
+        handles = [self.comm.all_gather(u.full, u.own_chunk() if u.index in fresh else u.gather_source(), async_op=True)
+                   for u in stale]
         for handle in handles:
             handle.wait()
 

@@ -220,6 +220,22 @@ class FlatUnit:
             if self.after_param_io is not None:
                 self.after_param_io()
 
+    def publish_own(self) -> None:
+        """After the master changed: this rank's chunk of the device values follows it (the compute-dtype shard,
+        and the chunk's place in the full buffer while gathered); the other ranks' chunks come with a gather."""
+        self.refresh_param_shard()
+        if self.state is UnitState.UNSHARDED:
+            own = self.full[self.shard_slice]
+            src = self.gather_source()  # stages 1/2: writes ``own`` itself; stage 3: the refreshed shard
+            if src.data_ptr() != own.data_ptr():
+                own.copy_(src)
+
+    def own_chunk(self) -> torch.Tensor:
+        """This rank's chunk on the device as it is now (after :meth:`publish_own`), as all-gather input."""
+        if self.param_shard is not None and self.param_shard.device == self.device:
+            return self.param_shard
+        return self.full[self.shard_slice]
+
     @property
     def source_on_host(self) -> bool:
         """Gathers start with a copy from host memory (offloaded master or parameter shard)."""

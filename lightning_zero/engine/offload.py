@@ -23,6 +23,8 @@ move is :func:`lightning_zero.partition.plan_offload` of ``offload_fraction``, b
   fp16 overflow vote need every gradient first: then the step is speculative (``speculative_step``,
   see :mod:`lightning_zero.engine.speculation`): the worker keeps what it overwrote, and the units are
   put back and stepped again after backward only when the norm clips or a rank overflowed.
+- delayed (``delayed_step``): the host update of step t runs on a worker during window t+1; each unit's
+  new values go up during that window's backward (see :mod:`lightning_zero.engine.delayed`).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from torch.profiler import record_function
 
 from ..config import ZeroConfig
 from ..partition import plan_offload
-from .delayed import DelayedStep
+from .delayed import DelayedStep, EarlyPublish
 from .flat_unit import FlatUnit
 from .host import HOST_STEP_CHUNK, HostArena, HostBackend
 from .optim import fuse_on_host, lazy_state_bytes, pieces_in_groups, unwrap
@@ -108,6 +110,7 @@ class Offloader:
                                      self.copy_stream, self.seconds)
         # delayed_step: the update of step t runs on a worker while window t+1 lands in a second gradient arena
         self.delayed = DelayedStep(self.seconds) if config.delayed_step and self.units else None
+        self._early = EarlyPublish(self.up_stream, device) if self.delayed is not None else None
         self._spare_grads = (HostArena([u.layout.shard_numel for u in self.units], torch.float32, pin)
                              if self.delayed is not None else None)
         self._unpublished: list[FlatUnit] = []  # updated by the delayed step, not yet on the device
@@ -204,6 +207,8 @@ class Offloader:
         if unit.index not in self.indices:
             unit.add_to_grad_shard(reduced, unscale)
             return
+        if final and self._early is not None:  # delayed_step: its update may go up now (see [Note: early publish])
+            self._early.backward_done(unit)
         held = self._accumulate_on_device(unit, reduced, final, unscale)
         if held is None:
             return
@@ -281,15 +286,30 @@ class Offloader:
             self._adder.wait()
 
     # ---- the delayed step ---------------------------------------------------------------------
-    def settle(self, publish: Optional[Callable[[list[FlatUnit]], None]] = None) -> None:
+    def settle(self, publish: Optional[Callable[[list[FlatUnit], frozenset[int]], None]] = None) -> None:
         """Wait for the delayed update, if one runs (the master and state are then whole); with ``publish``
         (a collective: every rank calls it at the same point) its values go to the device."""
         if self.delayed is None:
             return
-        self._unpublished += [u for u in self.delayed.settle() if u not in self._unpublished]
-        if publish is not None and self._unpublished:
-            units, self._unpublished = self._unpublished, []
-            publish(units)
+        settled = self.delayed.settle()
+        early = self._early.finish()
+        if publish is None:  # those published early are published again then (the master is the truth)
+            self._unpublished += [u for u in settled if u not in self._unpublished]
+            return
+        units = self._unpublished + [u for u in settled if u not in self._unpublished]
+        fresh = early - {u.index for u in self._unpublished}
+        self._unpublished = []
+        if units:
+            publish(units, fresh)
+
+    def late_gradient(self, unit: FlatUnit) -> None:
+        """The reducer's report of a gradient reaching ``unit`` after its backward was done (delayed_step)."""
+        if self._early is not None and not self._early.late(unit):
+            raise RuntimeError(
+                f"lightning_zero delayed_step: parameters {unit.names[:3]} received a gradient after their unit's "
+                f"backward was done and its delayed update had been published (a parameter whose gradient arrives "
+                f"twice in one backward, e.g. under reentrant activation checkpointing: use "
+                f"torch.utils.checkpoint with use_reentrant=False, or set ZeroConfig(delayed_step=False)).")
 
     @property
     def in_flight(self) -> list[FlatUnit]:
@@ -300,17 +320,21 @@ class Offloader:
                     every_rank: Callable[[bool], bool]) -> bool:
         """Hand this step's host update to the delayed worker; False when it must run now (some piece has no
         optimizer state yet, on some rank: torch creates it lazily, in the real optimizer)."""
-        members = {u.index for u in units}
-        by_group = [[q for q in (self.piece_of(p) for p in group["params"] if p.requires_grad
+        def by_group(members: set[int]) -> list[list[torch.nn.Parameter]]:
+            return [[q for q in (self.piece_of(p) for p in group["params"] if p.requires_grad
                                  and self.unit_of(p).index in members) if q is not None and q.grad is not None]
                     for group in optimizer.param_groups]
-        if not every_rank(DelayedStep.ready(optimizer, [q for pieces in by_group for q in pieces])):
+
+        chunks = [(chunk, by_group({u.index for u in chunk})) for chunk in self.backend.chunks(units)]
+        if not every_rank(DelayedStep.ready(optimizer, [q for _, g in chunks for pieces in g for q in pieces])):
             return False
         after = None
         if self.cuda:  # everything queued so far (the previous update's uploads from the master) runs first
             after = torch.cuda.Event()
             after.record()
-        self.delayed.launch(optimizer, by_group, units, fused=self.cuda, after=after)  # fused: as _fast_host_kernels
+        self._early.start(units)
+        self.delayed.launch(optimizer, chunks, fused=self.cuda, after=after,  # fused: as _fast_host_kernels
+                            on_stepped=self._early.on_stepped)
         self.grads, self._spare_grads = self._spare_grads, self.grads  # the next window lands in the other arena
         return True
 
