@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One device call: FIRST_RUNS (anchor-harness lines, see anchor_runs_call.sh); the offload figures on the 1.3B GPT
 # (24 x 2048, seq 2048, micro-batch 8, bf16-mixed, no clipping — the anchors' setting): the GPU alone, zero2_offload,
-# zero3_offload, the delayed step, MORE_RUNS; one step of zero2_offload profiled at each clipping value in CLIPS
-# (gpt_bench --profile, with PROFILE_ZERO as its --zero fields, e.g. delayed_step=True; text timelines by
+# zero3_offload, the delayed step, MORE_RUNS; one step profiled at each clipping value in CLIPS for each of PROFILES
+# ("strategy" or "strategy:KEY=VALUE,...", default zero2_offload; gpt_bench --profile; text timelines by
 # trace_summary.py); the NVMe path's host memory (anonymous vs file pages,
 # setup vs training; SKIP_NVME=1 skips it); LARGE ("layers d_model heads": the largest GPT under zero_auto) when
 # more than 200 s of DEADLINE (s, default 590) are left; the GPU tests in TEST_ARGS. Few files come back from a
@@ -16,13 +16,16 @@ z2off 90 --strategy zero2_offload $SHAPE13
 z3off 90 --strategy zero3_offload $SHAPE13
 z2delayed 90 --strategy zero2 $SHAPE13 --zero stage=2 offload_optimizer=cpu delayed_step=True
 ${MORE_RUNS:-}" bash examples/bench/anchor_runs_call.sh
+for profiled in ${PROFILES:-zero2_offload}; do  # "strategy" or "strategy:KEY=VALUE,KEY=VALUE" (its --zero fields)
 for clip in ${CLIPS-0 1.0}; do
-  timeout 100 python3 examples/bench/gpt_bench.py --strategy zero2_offload --layers 24 --d-model 2048 --heads 16 \
+  strategy=${profiled%%:*} fields=""; [[ "$profiled" == *:* ]] && fields=${profiled#*:} && fields=${fields//,/ }
+  timeout 100 python3 examples/bench/gpt_bench.py --strategy $strategy --layers 24 --d-model 2048 --heads 16 \
     --seq 2048 --batch 8 --warmup 3 --steps 3 --clip $clip --tag "profile_clip$clip" --profile /tmp/trace_$clip.json \
-    ${PROFILE_ZERO:+--zero $PROFILE_ZERO} > /tmp/profile.log 2>&1
-  echo "== profile clip=$clip ${PROFILE_ZERO:-} rc=$?"; grep -E "^lightning_zero|Error" /tmp/profile.log | cut -c1-300 | tail -4
-  { echo "===== profile clip=$clip"; cat /tmp/profile.log; } >> "$OUT/logs.txt"
-  { echo "== clip $clip"; python3 examples/bench/trace_summary.py /tmp/trace_$clip.json; } | tee -a "$OUT/timelines.txt"
+    ${fields:+--zero $fields} > /tmp/profile.log 2>&1
+  echo "== profile $profiled clip=$clip rc=$?"; grep -E "^lightning_zero|Error" /tmp/profile.log | cut -c1-300 | tail -4
+  { echo "===== profile $profiled clip=$clip"; cat /tmp/profile.log; } >> "$OUT/logs.txt"
+  { echo "== $profiled clip $clip"; python3 examples/bench/trace_summary.py /tmp/trace_$clip.json; } | tee -a "$OUT/timelines.txt"
+done
 done
 if [ -z "${SKIP_NVME:-}" ]; then  # where the NVMe path's host memory goes: anonymous vs file pages, setup vs training
   mkdir -p /tmp/lz_nvme
