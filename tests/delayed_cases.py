@@ -178,3 +178,50 @@ def finetune_delayed(rank: int, world: int, ckpt: str) -> dict:
     state = {k: v.detach().cpu().clone() for k, v in t2.strategy.full_state_dict(rank0_only=False).items()}
     return {"steps": (t1.global_step, t2.global_step), "launched": launched, "groups": len(t2.optimizers[0].param_groups),
             "losses": first.losses + resumed.losses, "state": state}
+
+
+def early_vs_at_step(rank: int, world: int, one_gpu: bool = False) -> dict:
+    """Zoo models under delayed_step, each twice: as it runs, and with the early publish switched off (every update
+    published at the step, as before it existed). Values reaching the device sooner must change nothing.
+    ``one_gpu``: both ranks on cuda:0 (gloo), deterministic kernels, so that the two runs can be equal bit for bit."""
+    from model_zoo import fit_zoo
+
+    if one_gpu:
+        import os
+
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+
+    from lightning_zero.engine import delayed as delayed_module
+
+    delayed = dict(offload_optimizer="cpu", delayed_step=True)
+    cases = {
+        "plain_z2_accumulate": (("plain", "zero2"), dict(accumulate=2, options=delayed)),
+        "moe_z3_checkpointing": (("moe", "zero3"), dict(options=dict(delayed, activation_checkpointing=("Block",)))),
+        "unused_z2_half_host": (("unused", "zero2"), dict(accumulate=2, options=dict(
+            delayed, offload_fraction=0.5, offload_accumulation="host"))),
+        "lora_z3_bf16": (("lora", "zero3"), dict(precision="bf16-mixed", options=delayed)),
+    }
+    cls = delayed_module.EarlyPublish
+    publish, backward_done = cls._publish, cls.backward_done
+    counted = [0]
+
+    def counting(self, unit):
+        counted[0] += 1
+        publish(self, unit)
+
+    out = {}
+    for name, (args, kwargs) in cases.items():
+        counted[0] = 0
+        cls._publish = counting
+        try:
+            out[name] = fit_zoo(rank, world, *args, epochs=3, one_gpu=one_gpu, **kwargs)
+        finally:
+            cls._publish = publish
+        out[name]["early"] = counted[0]
+        cls.backward_done = lambda self, unit: None
+        try:
+            out[name + "@step"] = fit_zoo(rank, world, *args, epochs=3, one_gpu=one_gpu, **kwargs)
+        finally:
+            cls.backward_done = backward_done
+    return out

@@ -124,3 +124,22 @@ def test_on_the_gpu_each_update_goes_up_during_the_next_backward_and_follows_the
         diff = max((results["delayed"]["state"][k] - results["exact"]["state"][k]).abs().max().item()
                    for k in results["exact"]["state"])
         assert diff > 1e-3  # the tolerance still tells the delayed training from the exact one
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("one_gpu", [False, pytest.param(True, marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU"))], ids=["cpu", "gpu"])
+def test_publishing_each_update_during_the_next_backward_changes_nothing(one_gpu):
+    """Across zoo models, stages, accumulation (device and host), a partial share, activation checkpointing, bf16,
+    units some steps leave unused: bit for bit what publishing every update at the step gives. On the GPU: the
+    upload stream waits for each unit's backward (an upload racing it would change that backward's gradients)."""
+    from delayed_cases import early_vs_at_step
+
+    kwargs = dict(one_gpu=True) if one_gpu else dict(lightning=True)
+    for results in run_ranks(early_vs_at_step, 2, one_gpu, timeout=600.0, **kwargs):
+        for name in [k for k in results if not k.endswith("@step")]:
+            run, at_step = results[name], results[name + "@step"]
+            assert run["early"] > 0, name
+            assert run["losses"] == at_step["losses"], name
+            for key, value in at_step["state"].items():
+                assert torch.equal(run["state"][key], value), (name, key)
