@@ -94,6 +94,10 @@ class ZeroConfig:
             and each update uses gradients one step stale. Costs a second host gradient buffer (4 bytes per
             offloaded parameter). Needs ``offload_optimizer="cpu"`` and parameters on the device (stage 3:
             ``offload_params="none"``).
+        delayed_step_warmup: with ``delayed_step``: optimizer steps that run exactly (host step at the step) before
+            the delayed update begins, counted from the start of each fit. A one-step-stale update hurts most
+            while the loss falls fastest (ZeRO-Offload starts it after a few dozen steps); 0 delays from the
+            second step (the first always runs at once: it creates the optimizer state).
         offload_accumulation: offload with gradient accumulation: where the offloaded units' gradients add up
             over the micro-batches of a window. "device" keeps an fp32 accumulator of them on the GPU and
             crosses PCIe once per step; "host" copies each micro-batch's reduced gradients down on a side
@@ -133,6 +137,7 @@ class ZeroConfig:
     overlap_step: bool = True
     speculative_step: Union[bool, str] = "auto"
     delayed_step: bool = False
+    delayed_step_warmup: int = 0
     offload_accumulation: str = "device"
     auto_placement: bool = False
 
@@ -192,6 +197,8 @@ class ZeroConfig:
         _check(not self.delayed_step or self.offload_params == "none", "delayed_step", self.delayed_step,
                "the delayed host step updates the host copy stage-3 gathers read during the next forward: keep "
                "the parameters on the device (offload_params='none') or set delayed_step=False")
+        _check(isinstance(self.delayed_step_warmup, int) and self.delayed_step_warmup >= 0, "delayed_step_warmup",
+               self.delayed_step_warmup, "use a whole number of optimizer steps, 0 or more")
         _check(self.speculative_step in (True, False, "auto"), "speculative_step", self.speculative_step,
                "use true (always speculate), false (step after backward) or 'auto' (decided from the first steps)")
         _check(self.nvme_buffer_bytes >= 4096, "nvme_buffer_bytes", self.nvme_buffer_bytes,

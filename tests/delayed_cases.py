@@ -101,7 +101,7 @@ def fit(rank: int, world: int, delayed: bool, warmup: bool = True, stage: int = 
 
 
 def stale_reference(world: int, warmup: bool = True, clip: float = 0.0, stale: list[str] | None = None,
-                    make=net) -> dict:
+                    make=net, exact_steps: int = 1) -> dict:
     """The same training in plain PyTorch: from the second step on, each update of the ``stale`` parameters
     (None: all) reaches the values forward uses one step late (ZeRO-Offload's delayed parameter update), the
     others' at once; rank r's k-th batch is what ``fit`` gives it, their mean loss the global batch's."""
@@ -131,7 +131,7 @@ def stale_reference(world: int, warmup: bool = True, clip: float = 0.0, stale: l
         opt.step()
         if sched is not None:
             sched.step()
-        if k == 0:  # the first update creates the optimizer state: it runs at once
+        if k < exact_steps:  # the first update creates the optimizer state: it runs at once (and delayed_step_warmup)
             device_values = [p.detach().clone() for p in master]
         else:
             pending = True
@@ -146,8 +146,10 @@ def run_delayed(rank: int, world: int, one_gpu: bool = False) -> dict:
     out = {"delayed": fit(rank, world, True, one_gpu=one_gpu), "exact": fit(rank, world, False, one_gpu=one_gpu),
            "delayed_z3_clip": fit(rank, world, True, stage=3, clip=0.5, one_gpu=one_gpu),
            "delayed_z2_half": fit(rank, world, True, fraction=0.5, reduce_bucket_size=400, one_gpu=one_gpu),  # several units
-           "delayed_tied": fit(rank, world, True, make=TiedNet, reduce_bucket_size=100, one_gpu=one_gpu)}
+           "delayed_tied": fit(rank, world, True, make=TiedNet, reduce_bucket_size=100, one_gpu=one_gpu),
+           "delayed_after3": fit(rank, world, True, delayed_step_warmup=3, one_gpu=one_gpu)}
     if rank == 0:
+        out["reference_after3"] = stale_reference(world, exact_steps=3)
         out["reference_tied"] = stale_reference(world, make=TiedNet)
         out["reference"] = stale_reference(world)
         out["reference_clip"] = stale_reference(world, clip=0.5)

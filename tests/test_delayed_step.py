@@ -81,6 +81,18 @@ def test_a_unit_whose_gradient_comes_late_is_published_at_the_step(world2):
         assert_follows_rule(run["state"], ref)
 
 
+@pytest.mark.slow
+def test_the_delay_begins_after_the_warmup_steps(world2):
+    # delayed_step_warmup=3: steps 1-3 exact, the delayed update from step 4 on
+    ref = world2[0]["reference_after3"]["state"]
+    for results in world2:
+        run = results["delayed_after3"]
+        assert run["launched"] == run["steps"] - 3
+        assert_follows_rule(run["state"], ref)
+        assert results["delayed_after3"]["losses"][:4] == results["exact"]["losses"][:4]
+        assert results["delayed_after3"]["losses"][4:] != results["delayed"]["losses"][4:]
+
+
 def test_delayed_step_refuses_what_it_cannot_do():
     with pytest.raises(ZeroConfigError, match="offload_optimizer='cpu'"):
         ZeroConfig(stage=2, delayed_step=True)
@@ -88,6 +100,8 @@ def test_delayed_step_refuses_what_it_cannot_do():
         ZeroConfig(stage=3, offload_optimizer="cpu", offload_params="cpu", delayed_step=True)
     with pytest.raises(ZeroConfigError, match="offload_optimizer='cpu'"):
         ZeroConfig(stage=2, offload_optimizer="nvme", nvme_path="/tmp", delayed_step=True)
+    with pytest.raises(ZeroConfigError, match="delayed_step_warmup"):
+        ZeroConfig(stage=2, offload_optimizer="cpu", delayed_step=True, delayed_step_warmup=-1)
 
 
 @pytest.mark.slow

@@ -114,6 +114,7 @@ class Offloader:
         self._spare_grads = (HostArena([u.layout.shard_numel for u in self.units], torch.float32, pin)
                              if self.delayed is not None else None)
         self._unpublished: list[FlatUnit] = []  # updated by the delayed step, not yet on the device
+        self.host_steps = 0  # steps of the offloaded units so far, this fit (delayed_step_warmup)
         if config.shard_params and config.offload_params == "none":  # stage 3: a device shard to gather from
             for unit in self.units:
                 unit.set_param_shard(torch.empty(unit.layout.shard_numel, dtype=compute_dtype, device=device))
@@ -366,8 +367,10 @@ class Offloader:
 
         with pieces_in_groups(optimizer, on_device), record_function("zero/device_step"):
             out = inner()
-        if self.delayed is not None and units and self._step_later(optimizer, units, every_rank):
-            return out
+        if self.delayed is not None and units:
+            self.host_steps += 1  # the steps before the delay begins (delayed_step_warmup) run here, exactly
+            if self.host_steps > self.config.delayed_step_warmup and self._step_later(optimizer, units, every_rank):
+                return out
         start = time.perf_counter()
         self.step_units(optimizer, inner, units, publish, stepped=early)
         self.seconds["host_step"] += time.perf_counter() - start
