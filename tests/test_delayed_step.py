@@ -16,6 +16,19 @@ def assert_follows_rule(state: dict, rule: dict, rtol: float = 1e-5, atol: float
         torch.testing.assert_close(state["net." + name].cpu(), value, rtol=rtol, atol=atol)
 
 
+def assert_case(runs: list, case: str, rule: str, exact_steps: int = 1, rtol: float = 1e-5, atol: float = 1e-6) -> None:
+    """Every rank's ``case`` ran its first ``exact_steps`` steps at once and delayed the others; each delayed update
+    went up unit by unit during the next backward (see [Note: early publish]) except the last, the one the
+    state read after step 3 waited for (published from the master at the step) and units with a late gradient; and the weights follow ``rule`` (the plain-PyTorch reference computed on rank 0)."""
+    ref = runs[0][rule]["state"]
+    for results in runs:
+        run = results[case]
+        assert run["launched"] == run["steps"] - exact_steps, case
+        read_at_3 = 1 if exact_steps < 3 else 0  # step 3's update was running when the state was read
+        assert run["early"] == (run["launched"] - 1 - read_at_3) * (run["units"] - len(run["never_early"])) > 0, case
+        assert_follows_rule(run["state"], ref, rtol, atol)
+
+
 @pytest.fixture(scope="module")
 def world2():
     from delayed_cases import run_delayed
@@ -25,14 +38,10 @@ def world2():
 
 @pytest.mark.slow
 def test_delayed_step_is_the_one_step_stale_update(world2):
-    ref = world2[0]["reference"]["state"]
+    assert_case(world2, "delayed", "reference")
     for results in world2:
         run = results["delayed"]
-        assert run["steps"] == 8 and run["launched"] == run["steps"] - 1  # all but the first, which creates state
-        # each update went up unit by unit during the next backward (see [Note: early publish]) but two: the
-        # last, and the one the state read after step 3 waited for (it is published from the master at the step)
-        assert run["early"] == (run["launched"] - 2) * run["units"] > 0
-        assert_follows_rule(run["state"], ref)
+        assert run["steps"] == 8
         # and it is not the exact training: the test can tell them apart
         diff = max((run["state"][k] - results["exact"]["state"][k]).abs().max().item() for k in run["state"])
         assert diff > 1e-3
@@ -49,46 +58,33 @@ def test_state_read_mid_training_sees_every_update_so_far(world2):
 
 @pytest.mark.slow
 def test_delayed_step_under_stage3_and_clipping_is_the_same_rule(world2):
-    ref = world2[0]["reference_clip"]["state"]
-    for results in world2:
-        run = results["delayed_z3_clip"]
-        assert run["launched"] == run["steps"] - 1
-        assert run["early"] == (run["launched"] - 2) * run["units"]
-        assert_follows_rule(run["state"], ref)
+    assert_case(world2, "delayed_z3_clip", "reference_clip")
 
 
 @pytest.mark.slow
 def test_delayed_step_with_part_of_the_state_offloaded_is_late_only_there(world2):
     # the device part steps at once, the offloaded part one step late
-    ref = world2[0]["reference_half"]["state"]
+    assert_case(world2, "delayed_z2_half", "reference_half")
     for results in world2:
         run = results["delayed_z2_half"]
-        assert run["launched"] == run["steps"] - 1
-        assert run["units"] > 1 and run["early"] == (run["launched"] - 2) * run["units"]
-        assert 0 < len(run["stale"]) < len(ref)  # some parameters offloaded, not all
-        assert_follows_rule(run["state"], ref)
+        assert run["units"] > 1 and 0 < len(run["stale"]) < len(run["state"])  # some parameters offloaded, not all
 
 
 @pytest.mark.slow
 def test_a_unit_whose_gradient_comes_late_is_published_at_the_step(world2):
     # a weight used inside a reentrant checkpoint and again outside gets its gradient twice in one backward: its
     # unit is not published during the next backward (the second gradient must see the old values), the others are
-    ref = world2[0]["reference_tied"]["state"]
+    assert_case(world2, "delayed_tied", "reference_tied")
     for results in world2:
         run = results["delayed_tied"]
         assert run["never_early"] and len(run["never_early"]) < run["units"]
-        assert run["early"] == (run["launched"] - 2) * (run["units"] - len(run["never_early"])) > 0
-        assert_follows_rule(run["state"], ref)
 
 
 @pytest.mark.slow
 def test_the_delay_begins_after_the_warmup_steps(world2):
     # delayed_step_warmup=3: steps 1-3 exact, the delayed update from step 4 on
-    ref = world2[0]["reference_after3"]["state"]
+    assert_case(world2, "delayed_after3", "reference_after3", exact_steps=3)
     for results in world2:
-        run = results["delayed_after3"]
-        assert run["launched"] == run["steps"] - 3
-        assert_follows_rule(run["state"], ref)
         assert results["delayed_after3"]["losses"][:4] == results["exact"]["losses"][:4]
         assert results["delayed_after3"]["losses"][4:] != results["delayed"]["losses"][4:]
 
@@ -127,14 +123,11 @@ def test_on_the_gpu_each_update_goes_up_during_the_next_backward_and_follows_the
     from delayed_cases import run_delayed
 
     runs = run_ranks(run_delayed, 2, True, one_gpu=True)
-    ref = runs[0]
+    for case, rule in (("delayed", "reference"), ("delayed_z3_clip", "reference_clip"),
+                       ("delayed_z2_half", "reference_half"), ("delayed_tied", "reference_tied")):
+        assert_case(runs, case, rule, rtol=1e-4, atol=1e-5)
+    assert_case(runs, "delayed_after3", "reference_after3", exact_steps=3, rtol=1e-4, atol=1e-5)
     for results in runs:
-        for case, rule in (("delayed", "reference"), ("delayed_z3_clip", "reference_clip"),
-                           ("delayed_z2_half", "reference_half"), ("delayed_tied", "reference_tied")):
-            run = results[case]
-            never = len(run["never_early"])
-            assert run["early"] == (run["launched"] - 2) * (run["units"] - never) > 0, case
-            assert_follows_rule(run["state"], ref[rule]["state"], rtol=1e-4, atol=1e-5)
         diff = max((results["delayed"]["state"][k] - results["exact"]["state"][k]).abs().max().item()
                    for k in results["exact"]["state"])
         assert diff > 1e-3  # the tolerance still tells the delayed training from the exact one
