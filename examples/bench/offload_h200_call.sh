@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: FIRST_RUNS (anchor-harness lines, see anchor_runs_call.sh); the offload figures on the 1.3B GPT
 # (24 x 2048, seq 2048, micro-batch 8, bf16-mixed, no clipping — the anchors' setting): the GPU alone, zero2_offload,
-# zero3_offload, the delayed step, MORE_RUNS; one step profiled at each clipping value in CLIPS for each of PROFILES
+# zero3_offload, the delayed step, MORE_RUNS (ONLY13: the tags to run); one step profiled at each clipping value in CLIPS for each of PROFILES
 # ("strategy" or "strategy:KEY=VALUE,...", default zero2_offload; gpt_bench --profile; text timelines by
 # trace_summary.py); the NVMe path's host memory (anonymous vs file pages,
 # setup vs training; SKIP_NVME=1 skips it); LARGE ("layers d_model heads": the largest GPT under zero_auto) when
@@ -11,11 +11,15 @@ export PYTHONPATH=/tmp/site:$PWD:$PWD/tests PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=
 begin=$(date +%s)
 [ -n "${FIRST_RUNS:-}" ] && RUNS="$FIRST_RUNS" bash examples/bench/anchor_runs_call.sh
 SHAPE13="--layers 24 --d-model 2048 --heads 16 --seq 2048 --batch 8 --warmup 3 --steps 8"
-[ -z "${SKIP_13:-}" ] && QUIET=1 RUNS="auto 90 --strategy auto $SHAPE13
+RUNS13="auto 90 --strategy auto $SHAPE13
 z2off 90 --strategy zero2_offload $SHAPE13
 z3off 90 --strategy zero3_offload $SHAPE13
 z2delayed 90 --strategy zero2 $SHAPE13 --zero stage=2 offload_optimizer=cpu delayed_step=True
-${MORE_RUNS:-}" bash examples/bench/anchor_runs_call.sh
+${MORE_RUNS:-}"
+if [ -n "${ONLY13:-}" ]; then  # the tags to run, e.g. "auto z2delayed"
+  RUNS13=$(echo "$RUNS13" | awk -v only=" $ONLY13 " 'index(only, " " $1 " ")')
+fi
+[ -z "${SKIP_13:-}" ] && QUIET=1 RUNS="$RUNS13" bash examples/bench/anchor_runs_call.sh
 for profiled in ${PROFILES:-zero2_offload}; do  # "strategy" or "strategy:KEY=VALUE,KEY=VALUE" (its --zero fields)
 for clip in ${CLIPS-0 1.0}; do
   strategy=${profiled%%:*} fields=""; [[ "$profiled" == *:* ]] && fields=${profiled#*:} && fields=${fields//,/ }
