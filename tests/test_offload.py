@@ -62,8 +62,9 @@ def test_host_step_during_backward_matches_ddp(world2, run):
         overlapped = results[run]["stepped_in_backward"]
         assert (overlapped == 0) if run == "zero2_no_overlap" else (overlapped > 0)
         assert (results[run]["host_adds"] > 0) == run.endswith("host_acc")
-        # small chunks: the worker really stepped while backward ran (the path a GPU run takes)
-        assert (results[run]["batches_in_backward"] > 0) == run.endswith("small_chunks")
+        # the worker really stepped while backward ran (the path a GPU run takes): an idle worker takes a unit
+        # at once, a busy one gets the units that landed meanwhile once they fill a chunk
+        assert (results[run]["batches_in_backward"] > 0) == (overlapped > 0)
     for results in world2:  # a callback's on_after_backward (the LM cases' memory probe) or NVMe files: after
         assert results["zero2_cpu"]["stepped_in_backward"] == 0
         assert results["zero2_nvme"]["stepped_in_backward"] == 0

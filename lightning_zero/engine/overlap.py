@@ -69,7 +69,9 @@ class OverlapWorker:
         ``unscale`` (speculative: the offloader left that to the worker) before stepping it."""
         self.queued.append((unit, event, unscale))
         self.queued_numel += unit.layout.shard_numel
-        if self.queued_numel >= HOST_STEP_CHUNK:
+        # a full chunk amortizes the optimizer call; an idle worker starts at once (the first unit of a window
+        # would otherwise wait for the next to land: tens of ms of host time lost on large units)
+        if self.queued_numel >= HOST_STEP_CHUNK or all(f.done() for f in self.futures):
             self._submit()
             self.owner.batches_in_backward += 1  # submitted while backward still runs, not at the drain
 
