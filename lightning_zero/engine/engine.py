@@ -595,8 +595,6 @@ class ZeroEngine:
 
             with torch.no_grad():
                 early = self.offloader.overlap.stepped if self.offloader.overlap is not None else set()
-                if self.comm.world_size == 1:  # their own chunk is the whole unit: already published
-                    published.update(early)
                 out = self.offloader.step(optimizer, lambda: inner(**kwargs), publish, self._stepped_everywhere,
                                           self._on_every_rank)
                 published.update(u.index for u in self.offloader.in_flight)  # published once the update is done
@@ -683,7 +681,7 @@ class ZeroEngine:
         Stages 1/2 keep every unit gathered; stage 3 refreshes the ones gathered now (persistent
         small units, a held root). The others are gathered from the new shards at their next use.
         Units in ``fresh`` (indices) already hold their own chunk of the new values on the device
-        (:meth:`FlatUnit.publish_own`): only the other ranks' chunks are missing.
+        (:meth:`FlatUnit.publish_own`): only the other ranks' chunks are missing (none on one rank).
         """
         units = self.units if units is None else list(units)
         for unit in units:
