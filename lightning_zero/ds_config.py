@@ -82,15 +82,54 @@ class DeepSpeedImport:
 def _load(source: Union[str, Path, dict]) -> dict[str, Any]:
     if isinstance(source, dict):
         return dict(source)
+    if not isinstance(source, (str, Path)):
+        raise DeepSpeedConfigError(f"A DeepSpeed config is the path of a ds_config.json or a dict, not "
+                                   f"{type(source).__name__}.")
     path = Path(source).expanduser()
     if not path.is_file():
         raise DeepSpeedConfigError(f"DeepSpeed config '{path}' does not exist: pass the path of your ds_config.json "
                                    f"(or the dict itself).")
     try:
-        return json.loads(path.read_text())
+        loaded = json.loads(path.read_text())
     except json.JSONDecodeError as err:
         raise DeepSpeedConfigError(f"DeepSpeed config '{path}' is not valid JSON: {err.msg} at line {err.lineno}, "
                                    f"column {err.colno}.") from None
+    if not isinstance(loaded, dict):
+        raise DeepSpeedConfigError(f"DeepSpeed config '{path}' holds a JSON {type(loaded).__name__}: it must be one "
+                                   f"object of sections, {{\"zero_optimization\": {{...}}, ...}}.")
+    return loaded
+
+
+# Sections DeepSpeed reads as objects, with the shortest valid example. A bare value there ("fp16": true) would
+# otherwise be read as "not enabled" and train in another precision without a word.
+_OBJECTS = {"zero_optimization": '{"stage": 2}', "fp16": '{"enabled": true}', "bf16": '{"enabled": true}',
+            "optimizer": '{"type": "AdamW", "params": {"lr": 1e-4}}', "optimizer.params": '{"lr": 1e-4}',
+            "scheduler": '{"type": "WarmupLR", "params": {"warmup_num_steps": 100}}',
+            "scheduler.params": '{"warmup_num_steps": 100}', "lightning_zero": '{"prefetch": 2}',
+            "zero_optimization.offload_optimizer": '{"device": "cpu"}',
+            "zero_optimization.offload_param": '{"device": "cpu"}'}
+
+
+def _check_objects(ds: dict) -> None:
+    for where, example in _OBJECTS.items():
+        section: Any = ds
+        for part in where.split("."):
+            section = section.get(part) if isinstance(section, dict) else None
+        if section is not None and not isinstance(section, dict):
+            raise DeepSpeedConfigError(f"'{where}' must be a JSON object such as \"{where.split('.')[-1]}\": "
+                                       f"{example}, not {json.dumps(section)}.")
+
+
+def _legacy_bfloat16(ds: dict, notes: list[str]) -> None:
+    """DeepSpeed still reads its old section name ``bfloat16`` (``bf16`` wins where both are given)."""
+    if "bfloat16" not in ds:
+        return
+    legacy = ds.pop("bfloat16")
+    if "bf16" in ds:
+        notes.append("'bfloat16' is DeepSpeed's old name of 'bf16', which is also given and wins")
+    else:
+        ds["bf16"] = legacy
+        notes.append("'bfloat16' is DeepSpeed's old name of 'bf16': read as 'bf16'")
 
 
 def _unknown(keys: set[str], known: set[str], where: str, out: list[str]) -> None:
@@ -183,7 +222,10 @@ def _normalize(ds: dict, notes: list[str], prefix: str = "") -> dict:
 def import_deepspeed_config(source: Union[str, Path, dict], base: Optional[ZeroConfig] = None) -> DeepSpeedImport:
     """Map a DeepSpeed config (path or dict) onto ZeroConfig and Trainer settings."""
     notes: list[str] = []
-    ds = _normalize(_load(source), notes)
+    loaded = _load(source)
+    _legacy_bfloat16(loaded, notes)
+    _check_objects(loaded)
+    ds = _normalize(loaded, notes)
     unmapped: list[str] = []
     for key in sorted(set(ds) - TOP_KEYS - TOP_UNMAPPED):  # a misspelt section would silently change the run
         close = difflib.get_close_matches(key, sorted(TOP_KEYS), n=1, cutoff=0.8)
@@ -239,11 +281,12 @@ def import_deepspeed_config(source: Union[str, Path, dict], base: Optional[ZeroC
     out.optimizer = _optimizer(ds.get("optimizer"))
     out.scheduler = ds.get("scheduler")
     if out.scheduler is not None:
-        from .ds_schedules import SCHEDULES, UnsupportedScheduleError
+        from .ds_schedules import SCHEDULES, UnsupportedScheduleError, check_schedule_params
 
         if out.scheduler.get("type") not in SCHEDULES:
             raise UnsupportedScheduleError(f"DeepSpeed scheduler type {out.scheduler.get('type')!r} is not supported: "
                                            f"use one of {', '.join(SCHEDULES)}, or configure it in configure_optimizers.")
+        check_schedule_params(out.scheduler["type"], out.scheduler.get("params") or {})
     if unmapped:
         notes.append("mapped to nothing here: " + ", ".join(unmapped))
     return out

@@ -14,13 +14,14 @@ DeepSpeed in tests/fixtures/deepspeed.tar.gz.
 
 from __future__ import annotations
 
+import difflib
 import math
 from collections.abc import Callable
 from typing import Any, Optional
 
 import torch
 
-__all__ = ["SCHEDULES", "build_scheduler", "DeepSpeedSchedule", "UnsupportedScheduleError"]
+__all__ = ["SCHEDULES", "build_scheduler", "check_schedule_params", "DeepSpeedSchedule", "UnsupportedScheduleError"]
 
 Values = Callable[[int], list]  # iteration -> one value per param group
 
@@ -137,16 +138,41 @@ SCHEDULES = {"WarmupLR": _warmup_lr, "WarmupDecayLR": _warmup_decay_lr, "WarmupC
              "OneCycle": _one_cycle}
 
 
+_WARMUP = {"warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type", "last_batch_iteration"}
+PARAMS = {"WarmupLR": _WARMUP, "WarmupDecayLR": _WARMUP | {"total_num_steps"},
+          "WarmupCosineLR": {"total_num_steps", "warmup_min_ratio", "warmup_num_steps", "cos_min_ratio", "warmup_type",
+                             "last_batch_iteration"},
+          "OneCycle": {"cycle_min_lr", "cycle_max_lr", "decay_lr_rate", "cycle_first_step_size",
+                       "cycle_second_step_size", "cycle_first_stair_count", "cycle_second_stair_count",
+                       "decay_step_size", "cycle_momentum", "cycle_min_mom", "cycle_max_mom", "decay_mom_rate",
+                       "last_batch_iteration"}}
+
+
+def check_schedule_params(kind: str, params: dict[str, Any]) -> None:
+    """A misspelt parameter would leave its default in force (DeepSpeed itself refuses it): name it."""
+    for key in sorted(set(params) - PARAMS[kind]):
+        close = difflib.get_close_matches(key, sorted(PARAMS[kind]), n=1, cutoff=0.75)
+        raise UnsupportedScheduleError(f"scheduler.params.{key} is not a parameter of DeepSpeed's {kind}"
+                                       + (f" — did you mean '{close[0]}'?" if close else ".")
+                                       + f" As written its default would stand. {kind} takes: "
+                                       + ", ".join(sorted(PARAMS[kind])) + ".")
+
+
 class DeepSpeedSchedule(torch.optim.lr_scheduler.LRScheduler):
     """A DeepSpeed schedule on torch's scheduler API (see [Note: DeepSpeed's schedule clock])."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, kind: str, params: dict[str, Any]) -> None:
         base = [float(g["lr"]) for g in optimizer.param_groups]
         self.kind = kind
+        params = dict(params)
+        start = int(params.pop("last_batch_iteration", -1))  # DeepSpeed's argument to resume a schedule
         self._lrs, self._moms = SCHEDULES[kind](params, len(optimizer.param_groups), base)
         if self._moms is not None and "betas" not in optimizer.defaults:
             self._moms = None  # as DeepSpeed: no momentum cycling for an optimizer without betas
         super().__init__(optimizer)
+        if start != -1:
+            self._set(start)
+            self._apply_momentum()
 
     @property
     def last_batch_iteration(self) -> int:
@@ -193,6 +219,7 @@ def build_scheduler(optimizer: torch.optim.Optimizer, spec: dict[str, Any]) -> D
         raise UnsupportedScheduleError(f"DeepSpeed scheduler type {kind!r} is not supported: use one of "
                                        f"{', '.join(SCHEDULES)}, or configure the scheduler in configure_optimizers.")
     params = dict(spec.get("params", {}))
+    check_schedule_params(kind, params)
     for key, value in list(params.items()):
         if value != "auto":
             continue

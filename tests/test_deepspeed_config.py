@@ -13,7 +13,7 @@ from dist_utils import run_ranks
 from lightning_zero import ZeroStrategy
 from lightning_zero.config import ZeroConfigError
 from lightning_zero.ds_config import DeepSpeedConfigError, build_optimizer, check_batch, import_deepspeed_config
-from lightning_zero.ds_schedules import UnsupportedScheduleError
+from lightning_zero.ds_schedules import UnsupportedScheduleError, build_scheduler
 
 REAL = "/work/shared/examples/ds_config.json"
 
@@ -88,6 +88,54 @@ def test_contradictions_are_one_line_errors(ds, needle):
     with pytest.raises((DeepSpeedConfigError, ZeroConfigError)) as err:
         import_deepspeed_config(ds)
     assert needle in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_config_that_is_not_an_object_is_named(tmp_path):
+    listed = tmp_path / "list.json"
+    listed.write_text("[1, 2]")
+    with pytest.raises(DeepSpeedConfigError, match="holds a JSON list: it must be one object"):
+        import_deepspeed_config(listed)
+    with pytest.raises(DeepSpeedConfigError, match="path of a ds_config.json or a dict, not list"):
+        import_deepspeed_config([1, 2])
+
+
+def test_the_legacy_bfloat16_section_trains_in_bf16():
+    r = import_deepspeed_config({"bfloat16": {"enabled": True}})
+    assert r.precision == "bf16-mixed" and any("old name of 'bf16'" in w for w in r.warnings)
+    assert not any("is not a DeepSpeed key" in w for w in r.warnings)
+    both = import_deepspeed_config({"bfloat16": {"enabled": True}, "bf16": {"enabled": False}})
+    assert both.precision is None and any("wins" in w for w in both.warnings)  # DeepSpeed reads bf16 first
+
+
+@pytest.mark.parametrize("kind,params,needle", [
+    ("WarmupLR", {"warmup_num_step": 10}, "warmup_num_step is not a parameter of DeepSpeed's WarmupLR — did you mean "
+                                          "'warmup_num_steps'?"),
+    ("WarmupDecayLR", {"total_num_steps": 9, "warmup_max_lr": 1e-3, "warmup_min": 0}, "did you mean 'warmup_min_lr'"),
+    ("WarmupCosineLR", {"total_num_steps": 9, "warmup_max_lr": 1e-3}, "not a parameter of DeepSpeed's WarmupCosineLR"),
+    ("OneCycle", {"cycle_min_lr": 0, "cycle_max_lr": 1, "cycle_min_mon": 0.8}, "did you mean 'cycle_min_mom'"),
+])
+def test_a_misspelt_schedule_parameter_is_refused(kind, params, needle):
+    """DeepSpeed refuses an unknown schedule argument; reading around it would leave the default (1000 warm-up
+    steps) in force."""
+    with pytest.raises(UnsupportedScheduleError) as err:
+        import_deepspeed_config({"scheduler": {"type": kind, "params": params}})
+    assert needle in str(err.value) and "\n" not in str(err.value)
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    with pytest.raises(UnsupportedScheduleError, match="not a parameter"):
+        build_scheduler(opt, {"type": kind, "params": params})
+
+
+def test_a_schedule_resumes_from_last_batch_iteration():
+    """DeepSpeed's own constructor argument: the schedule starts where the iteration says."""
+    params = {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-3, "warmup_num_steps": 10, "warmup_type": "linear"}
+    fresh = build_scheduler(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1),
+                            {"type": "WarmupLR", "params": params})
+    for _ in range(4):
+        fresh.optimizer.step()
+        fresh.step()
+    resumed = build_scheduler(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1),
+                              {"type": "WarmupLR", "params": {**params, "last_batch_iteration": 3}})
+    assert resumed.get_last_lr() == fresh.get_last_lr() and resumed.last_batch_iteration == 3
 
 
 def test_unknown_scheduler_and_missing_file(tmp_path):
@@ -259,6 +307,14 @@ def test_auto_takes_the_runs_values():
     ({"zero_optimization": {"stage": 2, "overlap_comm": "auto"}}, "overlap_comm is 'auto'"),
     ({"gradient_clipping": -1}, "negative"),
     ({"fp16": {"enabled": True, "initial_scale_power": "16"}}, "fp16.initial_scale_power='16' is not a number"),
+    # a bare value where DeepSpeed reads an object: "fp16": true would otherwise train in fp32 without a word
+    ({"fp16": True}, "'fp16' must be a JSON object such as \"fp16\": {\"enabled\": true}"),
+    ({"bf16": True}, "'bf16' must be a JSON object"),
+    ({"zero_optimization": 3}, "'zero_optimization' must be a JSON object such as \"zero_optimization\": {\"stage\": 2}"),
+    ({"optimizer": "AdamW"}, "'optimizer' must be a JSON object"),
+    ({"optimizer": {"type": "AdamW", "params": [1e-3]}}, "'optimizer.params' must be a JSON object"),
+    ({"scheduler": "WarmupLR"}, "'scheduler' must be a JSON object"),
+    ({"zero_optimization": {"stage": 2, "offload_optimizer": "cpu"}}, "'zero_optimization.offload_optimizer' must be"),
 ])
 def test_values_of_the_wrong_type_are_named(ds, needle):
     with pytest.raises(DeepSpeedConfigError) as err:
