@@ -11,6 +11,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from .checkpoint.files import CheckpointPathError
     from .collectives import MissingRanksError
     from .config import ZeroConfigError
+    from .demo import DemoSettingError
     from .ds_config import DeepSpeedConfigError
     from .ds_schedules import UnsupportedScheduleError
     from .engine.guard import ShardedStateDictError
@@ -22,4 +23,4 @@ def user_errors() -> tuple[type[BaseException], ...]:
 
     return (ZeroConfigError, DeepSpeedConfigError, UnsupportedScheduleError, CheckpointPathError,
             CheckpointMismatchError, NvmePathError, UnsupportedOptimizerError, LossScaleAtMinimumError,
-            MissingRanksError, ShardedStateDictError, HostMemoryError)
+            MissingRanksError, ShardedStateDictError, HostMemoryError, DemoSettingError)

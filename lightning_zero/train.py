@@ -349,8 +349,8 @@ def run(cfg: DictConfig) -> dict[str, float]:
         trace_dir = Path(_output_dir()) / "profile"
         trainer_cfg["profiler"] = pytorch_profiler(trace_dir)
 
-    datamodule = instantiate(cfg.data)
-    model = instantiate(cfg.model, vocab_size=datamodule.vocab_size)
+    datamodule = _instantiate(cfg.data)
+    model = _instantiate(cfg.model, vocab_size=datamodule.vocab_size)
     memory = MemoryReportPrinter()
     callbacks: list[Callback] = [RunSummary(ckpt_path), memory, throughput_monitor(cfg.throughput_window)]
     if trainer_cfg.get("enable_progress_bar", True):
@@ -384,6 +384,21 @@ def run(cfg: DictConfig) -> dict[str, float]:
         if trainer.is_global_zero:
             _log_sample(sampler, datamodule, cfg.sample_chars, cfg.seed)
     return {k: float(v) for k, v in trainer.callback_metrics.items()}
+
+
+def _instantiate(node: Any, **kwargs: Any) -> Any:
+    """Hydra wraps a constructor's error in its own: a wrong setting (DemoSettingError) is raised as itself, to be
+    printed as one line."""
+    from hydra.errors import InstantiationException
+
+    from lightning_zero.errors import user_errors
+
+    try:
+        return instantiate(node, **kwargs)
+    except InstantiationException as err:
+        if isinstance(err.__cause__, user_errors()):
+            raise err.__cause__ from None
+        raise
 
 
 def _log_sample(model: Any, datamodule: Any, n_chars: int, seed: int) -> None:

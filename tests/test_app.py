@@ -133,6 +133,18 @@ def test_bad_key_on_the_command_line_is_one_line(tmp_path: Path) -> None:
     assert "Traceback" not in out.stderr
 
 
+@pytest.mark.parametrize("override,needle", [("data.batch_size=0", "data.batch_size=0 is invalid"),
+                                             ("data.seq_len=-3", "data.seq_len=-3 is invalid"),
+                                             ("model.d_model=65", "model.d_model=65 is invalid: it must be a whole "
+                                                                  "number that model.n_head=4 divides")])
+def test_a_bad_model_or_data_value_is_one_line(tmp_path: Path, override: str, needle: str) -> None:
+    out = _app(override, cwd=tmp_path, timeout=120)
+    assert out.returncode == 2, out.stderr[-2000:]
+    lines = out.stderr.strip().splitlines()
+    assert lines[-1].startswith("error: ") and needle in lines[-1], out.stderr[-2000:]
+    assert "Traceback" not in out.stderr
+
+
 # ---- devices ---------------------------------------------------------------------------------------
 def test_resolve_devices(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)

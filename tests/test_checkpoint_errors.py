@@ -85,6 +85,33 @@ def test_checkpoint_of_another_model(saved, model, needle):
     _one_line(info.value, str(d / "good.ckpt"), needle)
 
 
+class _Wider(StepLM):
+    """The same keys with other sizes: a model built with another hidden width."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(24, 96), nn.Linear(96, 24)
+
+
+@pytest.mark.parametrize("fmt", ["sharded", "full"])
+@pytest.mark.parametrize("stage", [2, 3])
+def test_checkpoint_of_other_sizes_names_the_tensors(saved, tmp_path, fmt, stage):
+    """torch would print a line per tensor from deep inside the load; one line names the first ones."""
+    trainer, d = saved
+    path = d / "good.ckpt"
+    if fmt == "full":
+        path = tmp_path / "full.ckpt"
+        writer = _trainer(checkpoint_format="full")
+        writer.fit(StepLM(), dummy_loader())
+        writer.save_checkpoint(path)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=ZeroStrategy(stage=stage), max_steps=3, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         num_sanity_val_steps=0, limit_val_batches=0)
+    with pytest.raises((KeyError, CheckpointPathError)) as info:
+        trainer.fit(_Wider(), dummy_loader(), ckpt_path=path)
+    _one_line(info.value, str(path), "'fc1.weight'", "(48, 24) there and (96, 24) here")
+
+
 @pytest.mark.parametrize("damage, needle", [("drop_part", ".distcp is missing"),
                                             ("truncate_part", ".distcp is truncated"),
                                             ("drop_meta", "meta.pt is missing"),

@@ -18,7 +18,14 @@ from torch import nn
 
 from ..collectives import Comm
 from ..engine import ZeroEngine
-from ..engine.state import check_keys, full_model_state, full_optimizer_state, load_model_state, load_optimizer_state
+from ..engine.state import (
+    check_keys,
+    check_shapes,
+    full_model_state,
+    full_optimizer_state,
+    load_model_state,
+    load_optimizer_state,
+)
 from . import deepspeed_format, dtensors, sharded
 from .files import META_FILE, CheckpointPathError
 
@@ -95,8 +102,10 @@ def load_model(checkpoint: Mapping[str, Any], engine: Optional[ZeroEngine], modu
             raise RuntimeError("A sharded checkpoint's weights load into a set-up engine; this is a bug.")
         sharded.load_into_engine(saved, engine, strict=strict)
     elif not ready:
+        own = module.state_dict()
         if strict:
-            check_keys(module.state_dict().keys(), saved.keys(), checkpoint.get("_path"))
+            check_keys(own.keys(), saved.keys(), checkpoint.get("_path"))
+        check_shapes({k: v.shape for k, v in own.items()}, saved, checkpoint.get("_path"))
         load_plain()
     else:
         load_model_state(engine, saved, strict=strict)

@@ -23,6 +23,8 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
+from . import check_settings
+
 __all__ = ["CORPUS_MODULES", "CharDataModule", "CharTokenizer", "WindowDataset", "build_corpus", "corpus_digest"]
 
 log = logging.getLogger(__name__)
@@ -142,6 +144,10 @@ def random_offsets(n_tokens: int, seq_len: int, count: int, generator: torch.Gen
     return torch.randint(0, high, (count,), generator=generator)
 
 
+def _whole(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 class CharDataModule(pl.LightningDataModule):
     """Train/val windows over the embedded corpus, character-level.
 
@@ -164,6 +170,14 @@ class CharDataModule(pl.LightningDataModule):
     def __init__(self, seq_len: int = 64, batch_size: int = 16, train_windows: int = 8192, val_windows: int = 256,
                  block_chars: int = 2048, val_every: int = 10, seed: int = 1234, num_workers: int = 0,
                  modules: Optional[Sequence[str]] = None) -> None:
+        check_settings("data", {
+            "seq_len": (seq_len, _whole(seq_len) and seq_len >= 1, "a whole number of 1 or more"),
+            "batch_size": (batch_size, _whole(batch_size) and batch_size >= 1, "a whole number of 1 or more"),
+            "train_windows": (train_windows, _whole(train_windows) and train_windows >= 1, "a whole number of 1 or more"),
+            "val_windows": (val_windows, _whole(val_windows) and val_windows >= 1, "a whole number of 1 or more"),
+            "block_chars": (block_chars, _whole(block_chars) and block_chars >= 1, "a whole number of 1 or more"),
+            "val_every": (val_every, _whole(val_every) and val_every >= 2, "a whole number of 2 or more"),
+            "num_workers": (num_workers, _whole(num_workers) and num_workers >= 0, "a whole number of 0 or more")})
         super().__init__()
         self.save_hyperparameters()
         self.text = build_corpus(tuple(modules) if modules else CORPUS_MODULES)

@@ -19,6 +19,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torchmetrics.text import Perplexity
 
+from . import check_settings
+
 __all__ = ["GPT", "GPTModule", "Block", "CausalSelfAttention", "MLP", "Linear", "Embedding", "param_groups",
            "warmup_cosine"]
 
@@ -225,6 +227,17 @@ class GPTModule(pl.LightningModule):
                  dropout: float = 0.0, tie_embeddings: bool = True, lr: float = 3e-3, weight_decay: float = 0.1,
                  betas: tuple[float, float] = (0.9, 0.95), warmup_steps: int = 30, min_lr_ratio: float = 0.1,
                  build_in_configure_model: bool = False) -> None:
+        positive = "a whole number of 1 or more"
+        check_settings("model", {
+            "seq_len": (seq_len, isinstance(seq_len, int) and seq_len >= 1, positive),
+            "n_layer": (n_layer, isinstance(n_layer, int) and n_layer >= 1, positive),
+            "n_head": (n_head, isinstance(n_head, int) and n_head >= 1, positive),
+            "d_model": (d_model, isinstance(d_model, int) and d_model >= 1 and d_model % max(1, int(n_head)) == 0,
+                        f"a whole number that model.n_head={n_head} divides"),
+            "dropout": (dropout, 0.0 <= dropout < 1.0, "in [0, 1)"),
+            "lr": (lr, lr > 0, "above 0"),
+            "warmup_steps": (warmup_steps, isinstance(warmup_steps, int) and warmup_steps >= 0, "a whole number of 0 or more"),
+            "min_lr_ratio": (min_lr_ratio, 0.0 <= min_lr_ratio <= 1.0, "in [0, 1]")})
         super().__init__()
         self.save_hyperparameters()
         self.model: Optional[GPT] = None if build_in_configure_model else self._build()

@@ -12,6 +12,7 @@ time and moved to the CPU, so a rank's device never holds more than one unit's f
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -22,7 +23,7 @@ from .flat_unit import FlatUnit, UnitState
 from .guard import allow_state_dict
 from .optim import unwrap
 
-__all__ = ["CheckpointMismatchError", "check_keys", "keys_of", "dtype_named", "full_model_state", "load_model_state", "set_unit_values", "full_optimizer_state", "load_optimizer_state", "FORMAT"]
+__all__ = ["CheckpointMismatchError", "check_keys", "check_shapes", "keys_of", "dtype_named", "full_model_state", "load_model_state", "set_unit_values", "full_optimizer_state", "load_optimizer_state", "FORMAT"]
 
 FORMAT = "lightning_zero.optimizer.v2"
 _SCALAR_KEYS = ("step",)  # per-parameter counters: never sliced
@@ -71,6 +72,10 @@ def load_model_state(engine: ZeroEngine, state: dict[str, torch.Tensor], strict:
         expected |= set(module.state_dict(keep_vars=True).keys())
     if strict:
         check_keys(expected, state.keys())
+    shapes = {k: shape for unit in engine.units for p, shape in zip(unit.params, unit.shapes) for k in keys[id(p)]}
+    with allow_state_dict():
+        shapes.update((k, v.shape) for k, v in module.state_dict(keep_vars=True).items() if k not in shapes)
+    check_shapes(shapes, state)
     managed = set()
     for unit in engine.units:
         found = [next((k for k in keys[id(p)] if k in state), None) for p in unit.params]
@@ -107,6 +112,18 @@ def check_keys(expected: Any, have: Any, path: Any = None) -> None:
                        f"{' ...' if len(missing) > 5 else ''}, unexpected keys {unexpected[:5]}"
                        f"{' ...' if len(unexpected) > 5 else ''}. Resume from a checkpoint of this model, or load "
                        f"the weights with strict=False.")
+
+
+def check_shapes(expected: Mapping[str, Any], state: Mapping[str, Any], path: Any = None) -> None:
+    """One line naming the first tensors whose sizes differ (a model built with other sizes: torch would print a
+    line per tensor, from deep inside the load)."""
+    wrong = [(k, tuple(state[k].shape), tuple(shape)) for k, shape in expected.items()
+             if isinstance(state.get(k), torch.Tensor) and tuple(state[k].shape) != tuple(shape)]
+    if wrong:
+        listed = "; ".join(f"'{k}' is {saved} there and {mine} here" for k, saved, mine in wrong[:3])
+        raise CheckpointMismatchError(f"Checkpoint {path or ''} does not match the model's sizes: {listed}"
+                                      f"{f' (and {len(wrong) - 3} more)' if len(wrong) > 3 else ''}. Resume from a "
+                                      f"checkpoint of a model built with the same sizes.")
 
 
 def set_unit_values(unit: FlatUnit, full: torch.Tensor) -> None:
