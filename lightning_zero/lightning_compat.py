@@ -14,7 +14,7 @@ import torch
 from lightning.fabric.utilities import distributed as _fabric_distributed
 
 __all__ = ["lightning_optimizers", "is_restarting", "init_process_group", "destroy_process_group",
-           "default_backend_for", "set_launcher", "model_summary_settings", "load_directories_in_load_from_checkpoint",
+           "default_backend_for", "set_launcher", "summary_depth", "load_directories_in_load_from_checkpoint",
            "mark_checkpoint_dumps", "record_module_device"]
 
 
@@ -61,9 +61,9 @@ def set_launcher(strategy: Any, launcher: Any) -> None:
     strategy._launcher = launcher
 
 
-def model_summary_settings(callback: Any) -> tuple[int, dict[str, Any]]:
-    """``max_depth`` and the other arguments a ``ModelSummary`` callback was built with."""
-    return callback._max_depth, dict(callback._summarize_kwargs)
+def summary_depth(callback: Any) -> int:
+    """A ``ModelSummary`` callback's ``max_depth`` (its ``_summary(trainer, module)`` builds the table it prints)."""
+    return callback._max_depth
 
 
 def load_directories_in_load_from_checkpoint(read_directory: Any) -> None:

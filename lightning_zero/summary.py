@@ -7,14 +7,14 @@ These subclasses count the shapes the engine recorded instead.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Any
+from typing import Any, Optional
 
 from lightning.pytorch.callbacks import ModelSummary as ModelSummaryCallback
 from lightning.pytorch.utilities.model_summary.model_summary import LayerSummary, ModelSummary
 
-from .lightning_compat import model_summary_settings
+from .lightning_compat import summary_depth
 
-__all__ = ["ZeroModelSummary", "install_summary"]
+__all__ = ["full_numels", "install_summary"]
 
 
 def _numel(numels: dict[int, int], p: Any) -> int:
@@ -54,22 +54,27 @@ class _ZeroSummary(ModelSummary):
         return sum(_numel(self._numels, p) for p in self._model.parameters() if p.requires_grad)
 
 
-class ZeroModelSummary(ModelSummaryCallback):
-    """Lightning's ModelSummary callback, counting stage-3 parameters at their full size."""
-
-    def _summary(self, trainer: Any, pl_module: Any) -> ModelSummary:
-        engine = getattr(trainer.strategy, "engine", None)
-        if engine is None or not engine.config.shard_params:
-            return super()._summary(trainer, pl_module)
-        numels = {id(p): shape.numel() for u in engine.units for p, shape in zip(u.params, u.shapes)}
-        return _ZeroSummary(pl_module, numels, max_depth=self._max_depth)
+def full_numels(trainer: Any) -> Optional[dict[int, int]]:
+    """id(parameter) -> its full size, while a stage-3 engine holds the parameters as shards (else None)."""
+    engine = getattr(trainer.strategy, "engine", None)
+    if engine is None or not engine.config.shard_params:
+        return None
+    return {id(p): shape.numel() for u in engine.units for p, shape in zip(u.params, u.shapes)}
 
 
 def install_summary(trainer: Any) -> None:
-    """Swap Lightning's ModelSummary callbacks for ours (same settings)."""
-    callbacks = trainer.callbacks
-    for i, cb in enumerate(callbacks):
-        if type(cb) is ModelSummaryCallback:
-            max_depth, kwargs = model_summary_settings(cb)
-            replacement = ZeroModelSummary(max_depth=max_depth, **kwargs)
-            callbacks[i] = replacement
+    """Make each ModelSummary callback (Lightning's, RichModelSummary, a user's subclass) count full sizes: its
+    ``_summary`` builds the table, which the callback then prints its own way. Idempotent."""
+    for callback in trainer.callbacks:
+        if not isinstance(callback, ModelSummaryCallback) or getattr(callback, "_zero_counts", False):
+            continue
+        original = callback._summary
+
+        def _summary(trainer: Any, pl_module: Any, original: Any = original, callback: Any = callback) -> Any:
+            numels = full_numels(trainer)
+            if numels is None:
+                return original(trainer, pl_module)
+            return _ZeroSummary(pl_module, numels, max_depth=summary_depth(callback))
+
+        callback._summary = _summary
+        callback._zero_counts = True

@@ -37,8 +37,8 @@ def main() -> None:
     # the private attributes and functions the compat module names exist and behave
     finetuning = BackboneFinetuning()
     assert lightning_compat.is_restarting(finetuning) is False
-    depth, kwargs = lightning_compat.model_summary_settings(ModelSummary(max_depth=3))
-    assert depth == 3 and isinstance(kwargs, dict)
+    assert lightning_compat.summary_depth(ModelSummary(max_depth=3)) == 3
+    assert callable(ModelSummary()._summary)  # what install_summary wraps
     assert lightning_compat.default_backend_for(torch.device("cpu")) == "gloo"
     module = pl.LightningModule()
     lightning_compat.record_module_device(module, torch.device("meta"))

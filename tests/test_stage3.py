@@ -150,3 +150,38 @@ def test_wrap_modules_that_match_nothing_is_a_clear_error():
         ZeroEngine(Stack(), [], ZeroConfig(stage=3, wrap_modules=("Blok",)), Comm(), "cpu")
     with pytest.raises(ValueError, match="no forward"):
         ZeroEngine(Stack(), [], ZeroConfig(stage=3, wrap_modules=("ModuleList",)), Comm(), "cpu")
+
+
+@pytest.mark.parametrize("rich", [False, True])
+def test_the_model_summary_counts_sharded_parameters_at_full_size(rich):
+    """Stage 3 holds empty placeholders between forwards: Lightning's summary (plain or rich) would read 0."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import ModelSummary, RichModelSummary
+    from lightning_cases import TinyLM
+    from torch.utils.data import DataLoader
+
+    import lightning_zero
+
+    if rich:
+        pytest.importorskip("rich")
+    seen = {}
+
+    class Read(pl.Callback):
+        def on_train_start(self, trainer, pl_module):
+            summary_cb = next(c for c in trainer.callbacks if isinstance(c, ModelSummary))
+            table = summary_cb._summary(trainer, pl_module)
+            seen.update(sharded=sum(p.numel() for p in pl_module.parameters()), total=table.total_parameters,
+                        trainable=table.trainable_parameters, per_layer=dict(zip(table.layer_names, table.param_nums)))
+
+    model = TinyLM()
+    full = {name: sum(p.numel() for p in m.parameters()) for name, m in model.named_children()}
+    total, trainable = sum(p.numel() for p in model.parameters()), sum(p.numel() for p in model.parameters()
+                                                                      if p.requires_grad)
+    summary_cb = RichModelSummary(max_depth=1) if rich else ModelSummary(max_depth=1)
+    strategy = lightning_zero.ZeroStrategy(stage=3, wrap_modules=["Linear"], param_persistence_threshold=0)
+    data = DataLoader([(torch.randint(0, 37, (9,)),) for _ in range(4)], batch_size=2)
+    pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=1, logger=False, enable_checkpointing=False,
+               enable_progress_bar=False, callbacks=[summary_cb, Read()]).fit(model, data)
+    assert seen["sharded"] < total  # the placeholders really are empty: the count below comes from the engine
+    assert (seen["total"], seen["trainable"]) == (total, trainable)
+    assert seen["per_layer"] == full
