@@ -185,3 +185,44 @@ def test_the_model_summary_counts_sharded_parameters_at_full_size(rich):
     assert seen["sharded"] < total  # the placeholders really are empty: the count below comes from the engine
     assert (seen["total"], seen["trainable"]) == (total, trainable)
     assert seen["per_layer"] == full
+
+
+@pytest.mark.parametrize("use", ["linear", "matmul"])
+def test_a_parameter_used_outside_its_groups_forward_is_named(use):
+    """The shape error torch raises on the empty placeholder gets a note naming the parameter and the fix."""
+    import lightning.pytorch as pl
+    from torch import nn
+    from torch.utils.data import DataLoader
+
+    import lightning_zero
+
+    class Net(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.inner, self.outer = nn.Linear(8, 8), nn.Linear(8, 1)
+
+        def training_step(self, batch, batch_idx):
+            x = batch[0]
+            h = nn.functional.linear(x, self.inner.weight) if use == "linear" else x @ self.inner.weight
+            return self.outer(h).pow(2).mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    strategy = lightning_zero.ZeroStrategy(stage=3, wrap_modules=["Linear"], param_persistence_threshold=0)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=1, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    with pytest.raises(RuntimeError) as info:
+        trainer.fit(Net(), DataLoader([(torch.randn(8),) for _ in range(4)], batch_size=2))
+    notes = " ".join(getattr(info.value, "__notes__", []))
+    assert "'inner.weight' is sharded here" in notes and "wrap_modules" in notes, (str(info.value), notes)
+
+
+def test_the_placeholder_note_names_only_sharded_parameters():
+    from lightning_zero.engine.guard import placeholder_note
+
+    sharded = {0: "a.weight", 6: "b.weight"}
+    assert "'b.weight'" in placeholder_note("mat1 and mat2 shapes cannot be multiplied (4x8 and 0x7)", sharded)
+    assert "'a.weight'" in placeholder_note("mat1 and mat2 shapes cannot be multiplied (4x8 and 1x0)", sharded)
+    assert placeholder_note("mat1 and mat2 shapes cannot be multiplied (4x8 and 3x0)", sharded) is None
+    assert placeholder_note("The size of tensor a (7) must match the size of tensor b (8)", sharded) is None

@@ -34,7 +34,7 @@ from .flat_unit import FlatUnit, UnitState
 from .gather import Gatherer
 from .grads import GradientReducer, ReducePolicy
 from .groups import build_needs, group_lookup, group_modules, members_of, owner_of
-from .guard import install_load_into_masters, install_state_dict_guard
+from .guard import install_load_into_masters, install_state_dict_guard, placeholder_note
 from .host import host_norms
 from .materialize import RngState, check_no_meta_left, has_meta, materialize_module, model_initializers
 from .offload import Offloader
@@ -254,7 +254,19 @@ class ZeroEngine:
             yield
             return
         with self.gatherer.hold(group, until_backward_end):
-            yield
+            try:
+                yield
+            except RuntimeError as err:
+                self._explain_placeholder_use(err)
+                raise
+
+    def _explain_placeholder_use(self, err: RuntimeError) -> None:
+        """A shape error on a parameter used outside its group's forward names it (see placeholder_note)."""
+        sharded = {self._position[id(p)]: self.names[id(p)] for u in self.units if u.state is UnitState.SHARDED
+                   for p in u.params if id(p) in self._position}
+        note = placeholder_note(str(err), sharded)
+        if note is not None and note not in getattr(err, "__notes__", ()):
+            err.add_note(note)
 
     def describe_offload(self) -> Optional[str]:
         """One line on what is offloaded where (None without offload)."""

@@ -10,22 +10,47 @@ the ways to get the real values.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import nn
 
 from .flat_unit import FlatUnit, UnitState
 
-__all__ = ["allow_state_dict", "install_state_dict_guard", "install_load_into_masters", "ShardedStateDictError"]
+__all__ = ["allow_state_dict", "install_state_dict_guard", "install_load_into_masters", "ShardedStateDictError",
+           "placeholder_note"]
 
 _allowed = [0]
 
 
 class ShardedStateDictError(RuntimeError):
     pass
+
+
+# A placeholder's second size is its parameter's position + 1 (see [Note: sharded parameters]), so a shape
+# error that shows an empty operand names the parameter: "1x0" (F.linear's transposed weight), "0x7", "[0, 7]".
+_EMPTY_OPERAND = re.compile(r"\b(\d+)x0\b|\b0x(\d+)\b|\[0, (\d+)\]|\(0, (\d+)\)")
+
+
+def placeholder_note(message: str, sharded: dict[int, str]) -> Optional[str]:
+    """The note for an error raised while the parameters at ``sharded`` (position -> name) were placeholders,
+    where its message shows one of them as an operand; None when it shows none."""
+    names = []
+    for match in _EMPTY_OPERAND.finditer(message):
+        name = sharded.get(int(next(g for g in match.groups() if g is not None)) - 1)
+        if name is not None and name not in names:
+            names.append(name)
+    if not names:
+        return None
+    listed = ", ".join(f"'{n}'" for n in names)
+    return (f"lightning_zero: {listed} {'is' if len(names) == 1 else 'are'} sharded here (an empty placeholder): "
+            f"stage 3 gathers a module's parameters only while that module's own forward runs, and this code used "
+            f"{'it' if len(names) == 1 else 'them'} outside it (e.g. F.linear(x, self.layer.weight) in a parent's "
+            f"forward). Call the module itself, or take its class out of wrap_modules so that the parameter joins "
+            f"the group of the module whose forward uses it.")
 
 
 @contextmanager
