@@ -24,6 +24,7 @@ false so relative paths resolve as typed.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import logging
 import os
 import sys
@@ -109,6 +110,8 @@ def check_overrides(overrides: list[str]) -> None:
         if arg.startswith("-") or "=" not in arg:
             continue  # Hydra's own flags (--cfg, -m, ...)
         key = arg.split("=", 1)[0].lstrip("+~")
+        if (CONF_DIR / key).is_dir():
+            _check_group_choice(key, arg.split("=", 1)[1])
         if key.startswith("strategy."):
             name = key.split(".")[1]
             if name not in field_names() and name != "deepspeed_config":
@@ -119,6 +122,19 @@ def check_overrides(overrides: list[str]) -> None:
         ZeroConfig.from_dict(dict.fromkeys(unknown))  # raises ZeroConfigError for the first unknown key
     for arg in typed:
         _check_override_type(arg)
+
+
+def _check_group_choice(group: str, value: str) -> None:
+    """``strategy=zero9``: one line naming the options (Hydra's message spans many and lists the internal schema)."""
+    if any(c in value for c in "()*[]{}$"):
+        return  # a sweep function or interpolation: Hydra resolves it
+    options = sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+    for choice in filter(None, value.split(",")):  # a comma list is a --multirun sweep
+        if choice not in options:
+            close = difflib.get_close_matches(choice, options, n=1)
+            raise ZeroConfigError(f"{group}={choice} is not an option of '{group}'"
+                                  + (f" — did you mean '{close[0]}'?" if close else ".")
+                                  + f" Options: {', '.join(options)}.")
 
 
 def _check_override_type(arg: str) -> None:

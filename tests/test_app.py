@@ -120,6 +120,18 @@ def test_bad_key_is_named_with_the_valid_options() -> None:
         train.build_strategy(_compose("+strategy.stagee=2").strategy)
 
 
+@pytest.mark.parametrize("arg,needle", [("strategy=zero9", "strategy=zero9 is not an option of 'strategy' — did you "
+                                                         "mean 'zero3'? Options: deepspeed, zero1,"),
+                                        ("strategy=_zero_schema", "not an option"),  # the schema is internal
+                                        ("strategy=zero1,zero5", "strategy=zero5 is not an option"),
+                                        ("model=gpt_tny", "did you mean 'gpt_tiny'")])
+def test_a_wrong_group_option_is_named_with_the_options(arg: str, needle: str) -> None:
+    with pytest.raises(ZeroConfigError) as err:
+        train.check_overrides([arg])
+    assert needle in str(err.value) and "_zero_schema," not in str(err.value)
+    train.check_overrides(["strategy=zero1,zero3", "model=gpt_small", "precision=bf16-mixed"])  # no complaint
+
+
 def test_bad_value_is_a_zeroconfig_error() -> None:
     with pytest.raises(ZeroConfigError, match="stage"):
         train.build_strategy(_compose("strategy.stage=5").strategy)
