@@ -158,4 +158,5 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None,
     engine = ZeroModelEngine(model, optimizer, ds, device, int(os.environ.get("LOCAL_RANK", 0)), comm, lr_scheduler,
                              init_rng=init_rng_for(model) if meta else None)
     loader = engine.dataloader(training_data, collate_fn) if training_data is not None else None
+    engine.training_dataloader = loader
     return engine, optimizer, loader, lr_scheduler

@@ -81,6 +81,7 @@ class ZeroModelEngine(nn.Module):
         self._boundary: Optional[bool] = None  # set_gradient_accumulation_boundary
         self._grad_norm: Optional[float] = None
         self._step_applied = False
+        self.training_dataloader: Optional[torch.utils.data.DataLoader] = None  # initialize(training_data=...)'s
 
     # ---- DeepSpeed's attributes ----------------------------------------------------------------
     @property
@@ -115,6 +116,18 @@ class ZeroModelEngine(nn.Module):
     def zero_optimization_stage(self) -> int:
         return self.ds.zero.stage
 
+    def zero_optimization_partition_gradients(self) -> bool:
+        return self.ds.zero.stage >= 2
+
+    def zero_optimization_partition_weights(self) -> bool:
+        return self.ds.zero.stage == 3
+
+    def zero_offload_optimizer(self) -> bool:
+        return self.ds.zero.offload_optimizer != "none"
+
+    def zero_offload_param(self) -> bool:
+        return self.ds.zero.offload_params != "none"
+
     def gradient_clipping(self) -> float:
         return self.ds.gradient_clip_val or 0.0
 
@@ -138,6 +151,10 @@ class ZeroModelEngine(nn.Module):
 
     def get_lr(self) -> list[float]:
         return [group["lr"] for group in self.optimizer.param_groups]
+
+    def get_mom(self) -> list[Any]:
+        """Each param group's ``betas`` (Adam family) or ``momentum`` (SGD), as DeepSpeed reports them."""
+        return [group["betas"] if "betas" in group else group.get("momentum") for group in self.optimizer.param_groups]
 
     def get_global_grad_norm(self) -> Optional[float]:
         """The gradient norm over every rank at the last step, before clipping (None before the first)."""
@@ -230,6 +247,8 @@ class ZeroModelEngine(nn.Module):
             torch.save(out, Path(save_dir) / save_filename)
         self.comm.barrier()
         return True
+
+    save_fp16_model = save_16bit_model  # DeepSpeed's older name
 
     def save_checkpoint(self, save_dir: Union[str, Path], tag: Optional[str] = None,
                         client_state: Optional[dict] = None, save_latest: bool = True,

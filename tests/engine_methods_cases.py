@@ -47,7 +47,12 @@ def methods_case(rank: int, world: int, stage: int, tmp: str) -> dict:
                  "rank": engine.global_rank, "world": engine.world_size, "fp16": engine.fp16_enabled(),
                  "bf16": engine.bfloat16_enabled(), "stage": engine.zero_optimization_stage(),
                  "gas": engine.gradient_accumulation_steps(), "tbs": engine.train_batch_size(),
-                 "mbs": engine.train_micro_batch_size_per_gpu(), "norm_before": engine.get_global_grad_norm()}
+                 "mbs": engine.train_micro_batch_size_per_gpu(), "norm_before": engine.get_global_grad_norm(),
+                 "partitions": (engine.zero_optimization_partition_gradients(),
+                                engine.zero_optimization_partition_weights(), engine.zero_offload_optimizer(),
+                                engine.zero_offload_param()),
+                 "mom": engine.get_mom(), "training_dataloader": engine.training_dataloader,
+                 "fp16_saver": engine.save_fp16_model == engine.save_16bit_model}
     out["names"] = [n for n, _ in engine.named_parameters()]
     out["n_params"] = len(list(engine.parameters()))
     engine.eval()

@@ -28,6 +28,8 @@ def test_engine_methods(tmp_path, stage):
         assert r["eval_mode"] == (False, False) and r["train_mode"] == (True, True)
         assert r["boundaries"] == [False, True, False, True] and r["backward_returns_loss"]
         assert r["norm_before"] is None
+        assert r["partitions"] == (stage >= 2, stage == 3, False, False) and r["fp16_saver"]
+        assert r["mom"] == [0.0] and r["training_dataloader"] is None  # SGD without momentum; no training_data
         # DeepSpeed's global norm is the norm before clipping, over every rank's gradient
         assert r["norms"] == pytest.approx(r["ref_norms"], rel=1e-5) and all(n > 0.5 for n in r["norms"])
         assert r["global_steps"] == 2 and r["skipped"] == 0 and r["lr"] == [0.1]
