@@ -85,3 +85,21 @@ def test_plain_process_trains_saves_and_loads(tmp_path):
                          env=job_env(PYTHONWARNINGS="ignore"))
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip() == f"('{tmp_path}/global_step3', {{'a': 1}}) 1 True"
+
+
+def test_get_accelerator_answers_as_deepspeeds_does():
+    import lightning_zero as deepspeed
+
+    acc = deepspeed.accelerator.get_accelerator()
+    cuda = torch.cuda.is_available()
+    assert acc is deepspeed.accelerator.get_accelerator()
+    assert acc.device_name() == ("cuda" if cuda else "cpu") and acc.communication_backend_name() == (
+        "nccl" if cuda else "gloo")
+    assert torch.zeros(1, device=acc.current_device_name()).device.type == acc.device_name()
+    assert acc.on_accelerator(torch.zeros(1, device=acc.device_name())) and acc.device_count() >= 1
+    acc.manual_seed(3)
+    first = torch.rand(2)
+    acc.manual_seed(3)
+    assert torch.equal(first, torch.rand(2))
+    with pytest.raises(AttributeError, match="not provided by lightning_zero.accelerator"):
+        acc.lazy_call
