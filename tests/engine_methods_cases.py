@@ -170,3 +170,48 @@ def gathered_case(rank: int, world: int, stage: int) -> dict:
     out["forward_err"] = float((y - reference(x)).abs().max())
     out["shape_outside"] = tuple(model.b.bias.shape)
     return out
+
+
+def full_values_case(rank: int, world: int, stage: int, offload: bool) -> dict:
+    """deepspeed.utils.safe_get_full_* against a plain AdamW model fed every rank's batch."""
+    from lightning_zero import utils as ds_utils
+
+    torch.manual_seed(0)
+    model, reference = Net(), Net()
+    reference.load_state_dict(model.state_dict())
+    zero_section = {"stage": stage, **({"offload_optimizer": {"device": "cpu"}} if offload else {})}
+    config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "zero_optimization": zero_section,
+              "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.0}}}
+    engine, _, _, _ = lightning_zero.initialize(model=model, model_parameters=model.parameters(), config=config)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=0.01, weight_decay=0.0)
+    errors = {"grad": 0.0, "param": 0.0, "exp_avg": 0.0, "exp_avg_sq": 0.0, "local": 0.0}
+    shapes_ok, set_ok = True, False
+    for i in range(2):
+        x, y = (t.to(engine.device) for t in _batch(i, rank))
+        engine.backward((engine(x) - y).pow(2).mean())
+        ref_opt.zero_grad()
+        for r in range(world):
+            rx, ry = _batch(i, r)
+            ((reference(rx) - ry).pow(2).mean() / world).backward()
+        for p, ref in zip(model.parameters(), reference.parameters()):
+            grad = ds_utils.safe_get_full_grad(p)
+            shapes_ok &= grad.shape == ref.shape
+            errors["grad"] = max(errors["grad"], (grad.cpu() - ref.grad).abs().max().item())
+            local = ds_utils.safe_get_local_grad(p)
+            if local is not None:  # this rank's piece is a contiguous part of the flattened full gradient
+                flat = ref.grad.reshape(-1)
+                starts = [k for k in range(flat.numel() - local.numel() + 1)
+                          if torch.allclose(flat[k:k + local.numel()], local.cpu(), atol=1e-6)]
+                errors["local"] = max(errors["local"], 0.0 if starts else 1.0)
+        engine.step()
+        ref_opt.step()
+    for p, ref in zip(model.parameters(), reference.parameters()):
+        errors["param"] = max(errors["param"], (ds_utils.safe_get_full_fp32_param(p).cpu() - ref).abs().max().item())
+        for key in ("exp_avg", "exp_avg_sq"):
+            value = ds_utils.safe_get_full_optimizer_state(p, key).cpu()
+            errors[key] = max(errors[key], (value - ref_opt.state[ref][key]).abs().max().item())
+    first = next(model.parameters())
+    ds_utils.safe_set_full_fp32_param(first, torch.full_like(ds_utils.safe_get_full_fp32_param(first), 0.25))
+    set_ok = bool((ds_utils.safe_get_full_fp32_param(first) == 0.25).all())
+    return {"errors": errors, "shapes_ok": shapes_ok, "set_ok": set_ok,
+            "no_grad_after_step": ds_utils.safe_get_full_grad(first) is None}
