@@ -215,3 +215,34 @@ def full_values_case(rank: int, world: int, stage: int, offload: bool) -> dict:
     set_ok = bool((ds_utils.safe_get_full_fp32_param(first) == 0.25).all())
     return {"errors": errors, "shapes_ok": shapes_ok, "set_ok": set_ok,
             "no_grad_after_step": ds_utils.safe_get_full_grad(first) is None}
+
+
+class CheckpointedNet(Net):
+    """Net whose middle runs under deepspeed.checkpointing.checkpoint (as Megatron-style scripts call it)."""
+
+    def __init__(self, recompute: bool) -> None:
+        super().__init__()
+        self.recompute = recompute
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        def middle(h: torch.Tensor) -> torch.Tensor:
+            return torch.relu(self.norm(self.a(h)))
+        h = lightning_zero.checkpointing.checkpoint(middle, x) if self.recompute else middle(x)
+        return self.b(h)
+
+
+def checkpointing_case(rank: int, world: int, stage: int) -> dict:
+    """The same training with and without recomputation (stage 3 gathers inside the recomputed region)."""
+    finals = []
+    for recompute in (False, True):
+        torch.manual_seed(0)
+        model = CheckpointedNet(recompute)
+        config = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": stage},
+                  "optimizer": {"type": "AdamW", "params": {"lr": 0.01}}}
+        engine, _, _, _ = lightning_zero.initialize(model=model, model_parameters=model.parameters(), config=config)
+        for i in range(3):
+            x, y = (t.to(engine.device) for t in _batch(i, rank))
+            engine.backward((engine(x) - y).pow(2).mean())
+            engine.step()
+        finals.append({k: v.cpu() for k, v in engine.full_state_dict(rank0_only=False).items()})
+    return {"max_diff": max((finals[0][k] - finals[1][k]).abs().max().item() for k in finals[0])}

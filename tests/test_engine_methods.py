@@ -114,3 +114,22 @@ def test_safe_get_full_values_equal_the_plain_model(stage, offload):
     for r in run_ranks(full_values_case, 2, stage, offload):
         assert r["shapes_ok"] and r["set_ok"] and r["no_grad_after_step"]
         assert max(r["errors"].values()) < 1e-5, r["errors"]
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_deepspeed_checkpointing_recomputes_the_same_training(stage):
+    from engine_methods_cases import checkpointing_case
+
+    for r in run_ranks(checkpointing_case, 2, stage):
+        assert r["max_diff"] < 1e-6, r
+
+
+def test_deepspeed_checkpointing_configure_refuses_what_it_cannot_do():
+    import lightning_zero as deepspeed
+
+    deepspeed.checkpointing.configure(None, num_checkpoints=4, synchronize=False)
+    assert deepspeed.checkpointing.is_configured()
+    with pytest.raises(ValueError, match="partition_activations=True.*leave them off"):
+        deepspeed.checkpointing.configure(None, partition_activations=True)
+    with pytest.raises(ValueError, match="no model parallelism"):
+        deepspeed.checkpointing.configure(object())
