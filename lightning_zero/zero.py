@@ -132,3 +132,5 @@ class GatheredParameters:
                     set_unit_values(unit, fulls[key])
             for p, original, _ in handed:
                 p.data = original
+            for unit in units.values():  # changes made in here are in the masters (or dropped): none is pending
+                unit.forget_edits()

@@ -36,6 +36,10 @@ from lightning_zero import ZeroConfig, ZeroStrategy
 STRATEGIES = ("zero1", "zero2", "zero3", "zero2_offload", "zero3_offload")
 # on 4 ranks too (fp32, accumulation 2, clipping on): one pattern of each kind
 WORLD4_PATTERNS = ("gpt_tied", "gan", "shared_loss", "lora", "backbone_ft", "moe", "batchnorm", "hf_gpt2")
+# in-place edits of the parameters between steps reach the fp32 master of units gathered on the device; the
+# matrix's zero3 shards every group (placeholders: an error, tests/test_stage3.py) and offloaded masters are not
+# reached yet (README: "Editing parameters in place")
+EDIT_PATTERNS = ("weight_clip",)
 SLICES = 2
 FP32_TOL = 1e-5
 ROUNDING_FACTOR = 4.0  # measured over the 420 cells: ZeRO's distance from DDP at most 1.1x the nudged run's
@@ -71,6 +75,8 @@ def all_cells() -> list[Cell]:
     for pattern in zoo.PATTERNS:
         precisions = ("32-true", "bf16-mixed") if pattern in zoo.BF16_PATTERNS else ("32-true",)
         for strategy in STRATEGIES:
+            if pattern in EDIT_PATTERNS and (strategy.endswith("offload") or strategy == "zero3"):
+                continue
             for precision in precisions:
                 for accumulate in (1, 2):
                     for clip in (False, True):

@@ -24,8 +24,9 @@ from torch.utils.data import DataLoader, TensorDataset
 VOCAB, DIM, SEQ = 29, 16, 8
 CLIP = 0.3  # small enough that clipping acts at most steps of every pattern
 PATTERNS = ("gpt_tied", "gan", "gan_toggle", "shared_loss", "wgan_gp", "lora", "backbone_ft", "add_group", "moe",
-            "multi_backward", "schedulers", "hf_gpt2", "batchnorm", "grads_across_steps", "custom_zero_grad")
-BF16_PATTERNS = ("gpt_tied", "lora", "moe", "hf_gpt2")  # bf16-mixed where it means something: token models
+            "multi_backward", "schedulers", "hf_gpt2", "batchnorm", "grads_across_steps", "custom_zero_grad",
+            "weight_clip", "adagrad", "rmsprop")
+BF16_PATTERNS = ("gpt_tied", "lora", "moe", "hf_gpt2", "weight_clip")  # bf16-mixed where it means something: token models
 EPOCHS = {"backbone_ft": 2, "add_group": 2, "schedulers": 2}
 LR_SCALE = 1.0  # the negative control of the 16-bit bound trains gpt_tied with a learning rate slightly off
 GRAD_SCALE = 1.0  # the fp32 bound's: gpt_tied's gradients slightly too large (its hyperparameters stay equal)
@@ -455,10 +456,36 @@ class CustomZeroGrad(GPTTied):
             optimizer.zero_grad()
 
 
+class WeightClip(GPTTied):
+    """A WGAN critic's weight clipping: after each step every matrix is clamped in place (``p.data.clamp_`` and
+    ``p.clamp_`` under no_grad, the two ways people write it); the next step starts from the clamped values."""
+
+    BOUND = 0.03  # the initial weights (std 0.02) already reach it: the clamp acts from the first step
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        with torch.no_grad():
+            for k, p in enumerate(q for q in self.parameters() if q.dim() >= 2):
+                (p.data if k % 2 else p).clamp_(-self.BOUND, self.BOUND)
+
+
+class AdagradGPT(GPTTied):
+    """Adagrad (its constructor already fills state: ``sum`` and ``step``), with lr decay and a start value."""
+
+    def configure_optimizers(self):
+        return torch.optim.Adagrad(self.parameters(), lr=0.05, lr_decay=0.01, initial_accumulator_value=0.1,
+                                   weight_decay=0.01)
+
+
+class RMSpropGPT(GPTTied):
+    def configure_optimizers(self):
+        return torch.optim.RMSprop(self.parameters(), lr=3e-3, centered=True, momentum=0.9, weight_decay=0.01)
+
+
 CLASSES = {"gpt_tied": GPTTied, "gan": GAN, "gan_toggle": GANToggle, "shared_loss": SharedLoss, "wgan_gp": WGANGP,
            "lora": LoRA, "backbone_ft": BackboneFT, "add_group": AddGroup, "moe": MoE,
            "multi_backward": MultiBackward, "schedulers": Schedulers, "hf_gpt2": HFGPT2, "batchnorm": BatchNorm,
-           "grads_across_steps": GradsAcrossSteps, "custom_zero_grad": CustomZeroGrad}
+           "grads_across_steps": GradsAcrossSteps, "custom_zero_grad": CustomZeroGrad, "weight_clip": WeightClip,
+           "adagrad": AdagradGPT, "rmsprop": RMSpropGPT}
 assert set(CLASSES) == set(PATTERNS)
 
 

@@ -226,3 +226,59 @@ def test_the_placeholder_note_names_only_sharded_parameters():
     assert "'a.weight'" in placeholder_note("mat1 and mat2 shapes cannot be multiplied (4x8 and 1x0)", sharded)
     assert placeholder_note("mat1 and mat2 shapes cannot be multiplied (4x8 and 3x0)", sharded) is None
     assert placeholder_note("The size of tensor a (7) must match the size of tensor b (8)", sharded) is None
+
+
+def _clip_fit(strategy, how: str) -> dict:
+    """A WGAN critic's weight clipping after each step (``how``: plain in-place, or inside GatheredParameters)."""
+    import lightning.pytorch as pl
+    from torch import nn
+    from torch.utils.data import DataLoader
+
+    from lightning_zero.zero import GatheredParameters
+
+    class Critic(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 32), nn.Linear(32, 1)
+
+        def training_step(self, batch, batch_idx):
+            return self.b(torch.tanh(self.a(batch[0]))).pow(2).mean()
+
+        def on_train_batch_end(self, outputs, batch, batch_idx):
+            if how == "none":
+                return
+            params = list(self.parameters())
+            with torch.no_grad(), GatheredParameters(params, modifier_rank=0, enabled=how == "gathered"):
+                for p in params:
+                    p.clamp_(-0.05, 0.05)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.3, momentum=0.9)  # Adam would turn rounding into steps
+
+    torch.manual_seed(0)
+    model = Critic()
+    data = DataLoader([(torch.randn(8),) for _ in range(12)], batch_size=3)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=4, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(model, data)
+    state = trainer.strategy.full_state_dict() if hasattr(trainer.strategy, "full_state_dict") else model.state_dict()
+    return {k: v.detach().float().clone() for k, v in state.items()}
+
+
+@pytest.mark.parametrize("how,options", [("plain", {}),  # small groups stay gathered: edits reach the master
+                                         ("gathered", dict(wrap_modules=["Linear"], param_persistence_threshold=0))])
+def test_weight_clipping_after_the_step_trains_as_plain_pytorch(how, options):
+    import lightning_zero
+
+    reference = _clip_fit("ddp", "plain")  # one process; the same DistributedSampler order as ours
+    mine = _clip_fit(lightning_zero.ZeroStrategy(stage=3, **options), how)
+    assert max(v.abs().max().item() for v in mine.values()) <= torch.tensor(0.05).item()  # 0.05 in fp32
+    assert max((mine[k] - reference[k]).abs().max().item() for k in reference) < 1e-6
+
+
+def test_an_in_place_edit_of_a_sharded_parameter_is_an_error_not_lost():
+    import lightning_zero
+    from lightning_zero.engine.flat_unit import ShardedParameterEditError
+
+    with pytest.raises(ShardedParameterEditError, match=r"'[ab].weight'.*changed in place while sharded.*GatheredParameters"):
+        _clip_fit(lightning_zero.ZeroStrategy(stage=3, wrap_modules=["Linear"], param_persistence_threshold=0), "plain")

@@ -242,6 +242,8 @@ class ZeroEngine:
     def before_training_forward(self) -> None:
         """DDP's buffer rule: rank 0's buffers go to every rank before a forward that follows a forward
         which synchronized gradients (the first micro-batch of each accumulation window)."""
+        if self.gatherer is not None:  # stage 3 gathers from the masters next: edits made since must be there
+            self.absorb_edits(offloaded_too=False)
         if self.config.broadcast_buffers and self._sync_buffers_next:
             self.broadcast_buffers()
         self._sync_buffers_next = torch.is_grad_enabled() and self.last_micro_batch
@@ -594,7 +596,7 @@ class ZeroEngine:
     def step(self, optimizer: torch.optim.Optimizer, **kwargs: Any) -> Any:
         """Step ``optimizer`` on this rank's pieces, then publish the new values (stages 1/2)."""
         optimizer = unwrap(optimizer)
-        self.settle()
+        self.settle(in_step=True)
         self.finish_grads()
         inner = self.routes.inner_step(optimizer)
         self.grad_bytes_at_step = sum(u.grad_shard.numel() * 4 for u in self.units if u.grad_shard is not None)
@@ -622,11 +624,25 @@ class ZeroEngine:
         self._end_trial_step()
         return out
 
-    def settle(self, publish: bool = True) -> None:
+    def settle(self, publish: bool = True, in_step: bool = False) -> None:
         """``delayed_step``: wait for the host update still running; ``publish`` (a collective) its values to the
-        device. Before reading or writing the fp32 state (checkpoints), evaluation and the end of fit."""
+        device. Before reading or writing the fp32 state (checkpoints), evaluation and the end of fit. First,
+        edits a user made to the parameters since they were published go into the masters (``in_step``: not the
+        offloaded ones, which the host may be stepping)."""
+        self.absorb_edits(offloaded_too=not in_step)
         if self.offloader is not None:
             self.offloader.settle(self.republish if publish else None)
+
+    def absorb_edits(self, offloaded_too: bool = True) -> None:
+        """A user's in-place edits of the parameters since they were published go into the fp32 masters
+        (:meth:`FlatUnit.absorb_edits`). Offloaded masters only with ``offloaded_too`` (outside the step: during it
+        the host may be stepping them; each costs a copy of the shard to the device), never NVMe's (in files) nor
+        under delayed_step."""
+        host = self.offloader.indices if self.offloader is not None else ()
+        # delayed_step: the host master runs a step ahead of the device values, which differ from it by design
+        reachable = offloaded_too and self.config.offload_optimizer != "nvme" and not self.config.delayed_step
+        for unit in self.units:
+            unit.absorb_edits(compare=unit.index not in host or reachable)
 
     def _everywhere(self, flags: list[bool]) -> list[bool]:
         """Each flag true on every rank (one all-reduce; the same list length on every rank)."""
@@ -645,7 +661,7 @@ class ZeroEngine:
 
     def skip_step(self, optimizer: torch.optim.Optimizer) -> None:
         """No step for ``optimizer`` this window (fp16 overflow): values and state unchanged."""
-        self.settle()
+        self.settle(in_step=True)
         self.finish_grads()
         if self._speculating():  # units stepped during backward get their values back, on the device too
             self.offloader.reject_speculation()

@@ -37,7 +37,11 @@ from torch import nn
 
 from ..partition import Piece, UnitLayout
 
-__all__ = ["UnitState", "FlatUnit"]
+__all__ = ["UnitState", "FlatUnit", "ShardedParameterEditError"]
+
+
+class ShardedParameterEditError(RuntimeError):
+    """A stage-3 parameter was changed in place while it was only a placeholder (the change would be lost)."""
 
 
 class UnitState(enum.Enum):
@@ -45,7 +49,7 @@ class UnitState(enum.Enum):
     SHARDED = "sharded"  # ``full`` has no memory; parameters are placeholders
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, repr=False)
 class FlatUnit:
     """One unit of parameters laid out by :func:`lightning_zero.partition.layout_unit`.
 
@@ -77,6 +81,12 @@ class FlatUnit:
     param_shard: Optional[torch.Tensor] = None  # offloaded stage-3 unit: compute-dtype shard to gather from
     home: Optional[torch.device] = None  # the compute device (the master may live on the host)
     after_param_io: Optional[Callable[[], None]] = None  # NVMe: release the mapped pages of ``param_shard``
+    released_versions: list[int] = field(default_factory=list)  # the parameters' ``_version`` when last sharded
+
+    def __repr__(self) -> str:
+        # not the dataclass's: printing a tensor whose storage stage 3 gave back reads freed memory (a traceback
+        # shown by pytest or a debugger would crash the process)
+        return f"FlatUnit(index={self.index}, state={self.state.value}, params={self.names[:3]}{'...' if len(self.names) > 3 else ''})"
 
     @property
     def shard_slice(self) -> slice:
@@ -186,6 +196,7 @@ class FlatUnit:
             param.data = placeholder
         self.free_storage()
         self.state = UnitState.SHARDED
+        self.released_versions = [param._version for param in self.params]  # an in-place edit bumps one
 
     def alloc_storage(self) -> None:
         storage = self.full.untyped_storage()
@@ -219,6 +230,38 @@ class FlatUnit:
             _to_device(self.param_shard, self.master)
             if self.after_param_io is not None:
                 self.after_param_io()
+
+    def forget_edits(self) -> None:
+        """The parameters' in-place changes so far were written into the master by other means (GatheredParameters
+        with a modifier rank): not an edit of a placeholder."""
+        if self.state is UnitState.SHARDED:
+            self.released_versions = [param._version for param in self.params]
+
+    @torch.no_grad()
+    def absorb_edits(self, compare: bool = True) -> None:
+        """Values a user wrote into the module's parameters since they were published (WGAN weight clipping, an
+        average a callback copies in) become this rank's fp32 master values, element by element: unchanged
+        elements keep their fp32 bits. Under DDP the parameters are the master, so the next step starts from
+        the edit. Without a host sync (no branch on the comparison): cheap enough to run before every step.
+        ``compare=False`` only checks the placeholders (an offloaded unit inside the step: the host may be stepping
+        its master)."""
+        if self.state is UnitState.SHARDED:
+            edited = [n for n, p, v in zip(self.names, self.params, self.released_versions) if p._version != v]
+            if edited:
+                raise ShardedParameterEditError(
+                    f"{', '.join(repr(n) for n in edited[:3])} changed in place while sharded: under stage 3 a "
+                    f"parameter is an empty placeholder between forwards, so the change would be lost. Make it on "
+                    f"every rank inside `with lightning_zero.zero.GatheredParameters(params, modifier_rank=0):`, "
+                    f"which writes it into the fp32 master.")
+            return
+        if not compare or self.full is None or self.master is None or not self.storage_alive:
+            return
+        own = self.full[self.shard_slice]
+        if own.dtype == self.master.dtype and own.data_ptr() == self.master.data_ptr():
+            return  # fp32 compute: the parameters are views of the master itself
+        master = self.master.to(own.device)  # an offloaded master: compared on the device (outside the step)
+        self.master.copy_(torch.where(own != master.to(own.dtype), own.to(master.dtype), master))
+        self.refresh_param_shard()  # stage 3 with offload gathers from this compute-dtype copy
 
     def publish_own(self) -> None:
         """After the master changed: this rank's chunk of the device values follows it (the compute-dtype shard,

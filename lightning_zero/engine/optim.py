@@ -93,10 +93,11 @@ class Routes:
             step: ``step(optimizer, closure, **kwargs)``: the engine's step.
             zero_grad: ``zero_grad(optimizer, set_to_none)``: clears the optimizer's gradients.
         """
-        if any(len(s) for s in optimizer.state.values()):
+        if any(len(s) for s in optimizer.state.values()) and not _never_stepped(optimizer):
             raise RuntimeError(
                 "The optimizer already holds state before lightning_zero sharded it. Create it in "
                 "configure_optimizers without stepping it, or restore its state from a checkpoint after setup.")
+        optimizer.state.clear()  # what a constructor made (Adagrad's sums): each piece's state starts fresh alike
         original_zero_grad = optimizer.zero_grad
         inner_step = optimizer.step
         self.inner[id(optimizer)] = inner_step
@@ -149,6 +150,14 @@ class Routes:
                 target.step = inner  # keep an LR scheduler's step counter
         self._targets.clear()
         self.inner.clear()
+
+
+def _never_stepped(optimizer: torch.optim.Optimizer) -> bool:
+    """State the constructor made (torch's Adagrad fills ``sum`` and ``step`` = 0 in ``__init__``) rather than a
+    step: the same state is made again, per piece, at the first step."""
+    def zero(value: Any) -> bool:
+        return value is not None and float(value) == 0.0
+    return all(zero(state.get("step")) for state in optimizer.state.values() if len(state))
 
 
 def _no_state_dict(self: Any, *args: Any, **kwargs: Any) -> Any:
