@@ -633,16 +633,29 @@ class ZeroEngine:
         if self.offloader is not None:
             self.offloader.settle(self.republish if publish else None)
 
+    @torch.no_grad()
     def absorb_edits(self, offloaded_too: bool = True) -> None:
-        """A user's in-place edits of the parameters since they were published go into the fp32 masters
-        (:meth:`FlatUnit.absorb_edits`). Offloaded masters only with ``offloaded_too`` (outside the step: during it
-        the host may be stepping them; each costs a copy of the shard to the device), never NVMe's (in files) nor
-        under delayed_step."""
+        """A user's in-place edits of the parameters since they were published go into the fp32 masters (see
+        [Note: edits of published values]); one host sync. Offloaded masters only with ``offloaded_too`` (outside
+        the step: during it the host may be stepping them; each chunk is copied to the device), never NVMe's (in
+        files) nor under delayed_step (its host master runs a step ahead of the device values by design)."""
         host = self.offloader.indices if self.offloader is not None else ()
-        # delayed_step: the host master runs a step ahead of the device values, which differ from it by design
         reachable = offloaded_too and self.config.offload_optimizer != "nvme" and not self.config.delayed_step
+        chunks = []
         for unit in self.units:
-            unit.absorb_edits(compare=unit.index not in host or reachable)
+            unit.check_placeholders()
+            if unit.index not in host or reachable:
+                chunks += [(unit, lo, hi, flag) for lo, hi, flag in unit.edit_flags()]
+        if not chunks:
+            return
+        changed = torch.stack([flag for _, _, _, flag in chunks]).tolist()
+        touched = {}
+        for (unit, lo, hi, _), edited in zip(chunks, changed):
+            if edited:
+                unit.take_edits(lo, hi)
+                touched[unit.index] = unit
+        for unit in touched.values():
+            unit.refresh_param_shard()  # stage 3 with offload gathers from this compute-dtype copy
 
     def _everywhere(self, flags: list[bool]) -> list[bool]:
         """Each flag true on every rank (one all-reduce; the same list length on every rank)."""

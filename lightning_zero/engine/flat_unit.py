@@ -37,7 +37,9 @@ from torch import nn
 
 from ..partition import Piece, UnitLayout
 
-__all__ = ["UnitState", "FlatUnit", "ShardedParameterEditError"]
+__all__ = ["UnitState", "FlatUnit", "ShardedParameterEditError", "EDIT_CHUNK"]
+
+EDIT_CHUNK = 1 << 24  # elements compared at a time for edits of published values (bounds the temporaries)
 
 
 class ShardedParameterEditError(RuntimeError):
@@ -237,31 +239,44 @@ class FlatUnit:
         if self.state is UnitState.SHARDED:
             self.released_versions = [param._version for param in self.params]
 
+    def check_placeholders(self) -> None:
+        """A stage-3 parameter changed in place while it was an empty placeholder: the change would be lost."""
+        if self.state is not UnitState.SHARDED:
+            return
+        edited = [n for n, p, v in zip(self.names, self.params, self.released_versions) if p._version != v]
+        if edited:
+            raise ShardedParameterEditError(
+                f"{', '.join(repr(n) for n in edited[:3])} changed in place while sharded: under stage 3 a "
+                f"parameter is an empty placeholder between forwards, so the change would be lost. Make it on "
+                f"every rank inside `with lightning_zero.zero.GatheredParameters(params, modifier_rank=0):`, "
+                f"which writes it into the fp32 master.")
+
     @torch.no_grad()
-    def absorb_edits(self, compare: bool = True) -> None:
-        """Values a user wrote into the module's parameters since they were published (WGAN weight clipping, an
-        average a callback copies in) become this rank's fp32 master values, element by element: unchanged
-        elements keep their fp32 bits. Under DDP the parameters are the master, so the next step starts from
-        the edit. Without a host sync (no branch on the comparison): cheap enough to run before every step.
-        ``compare=False`` only checks the placeholders (an offloaded unit inside the step: the host may be stepping
-        its master)."""
-        if self.state is UnitState.SHARDED:
-            edited = [n for n, p, v in zip(self.names, self.params, self.released_versions) if p._version != v]
-            if edited:
-                raise ShardedParameterEditError(
-                    f"{', '.join(repr(n) for n in edited[:3])} changed in place while sharded: under stage 3 a "
-                    f"parameter is an empty placeholder between forwards, so the change would be lost. Make it on "
-                    f"every rank inside `with lightning_zero.zero.GatheredParameters(params, modifier_rank=0):`, "
-                    f"which writes it into the fp32 master.")
-            return
-        if not compare or self.full is None or self.master is None or not self.storage_alive:
-            return
+    def edit_flags(self) -> list[tuple[int, int, torch.Tensor]]:
+        """[Note: edits of published values] Values a user wrote into the module's parameters since they were
+        published (WGAN weight clipping, an average a callback copies in) must become the fp32 master values, as
+        under DDP, where the parameters are the master. Per chunk of this rank's part: (lo, hi, a device flag:
+        does any element differ from the master's compute-dtype value). Chunks bound the temporaries; the caller
+        reads every flag with one sync and takes the changed chunks (:meth:`take_edits`)."""
+        if self.state is not UnitState.UNSHARDED or self.full is None or self.master is None or not self.storage_alive:
+            return []
         own = self.full[self.shard_slice]
         if own.dtype == self.master.dtype and own.data_ptr() == self.master.data_ptr():
-            return  # fp32 compute: the parameters are views of the master itself
-        master = self.master.to(own.device)  # an offloaded master: compared on the device (outside the step)
-        self.master.copy_(torch.where(own != master.to(own.dtype), own.to(master.dtype), master))
-        self.refresh_param_shard()  # stage 3 with offload gathers from this compute-dtype copy
+            return []  # fp32 compute: the parameters are views of the master itself
+        flags = []
+        for lo in range(0, own.numel(), EDIT_CHUNK):
+            hi = min(lo + EDIT_CHUNK, own.numel())
+            master = self.master[lo:hi].to(own.device)  # an offloaded master: compared on the device
+            flags.append((lo, hi, (own[lo:hi] != master.to(own.dtype)).any()))
+        return flags
+
+    @torch.no_grad()
+    def take_edits(self, lo: int, hi: int) -> None:
+        """The elements of ``[lo, hi)`` that differ from the master become master values; the others keep their
+        fp32 bits."""
+        own = self.full[self.shard_slice][lo:hi]
+        master = self.master[lo:hi].to(own.device)
+        self.master[lo:hi].copy_(torch.where(own != master.to(own.dtype), own.to(master.dtype), master))
 
     def publish_own(self) -> None:
         """After the master changed: this rank's chunk of the device values follows it (the compute-dtype shard,
