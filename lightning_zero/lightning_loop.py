@@ -12,7 +12,7 @@ from typing import Any, Optional
 
 import torch
 
-__all__ = ["zero_grad_before_next_backward", "overlap_blocker", "gradient_changers", "check_even_batches", "replay_finetuning_restore",
+__all__ = ["zero_grad_before_next_backward", "overlap_blocker", "gradient_readers", "gradient_changers", "check_even_batches", "replay_finetuning_restore",
            "hold_schedulers_on_skip", "checkpoint_readers"]
 
 _GRAD_HOOKS = ("on_after_backward", "on_before_optimizer_step")
@@ -47,6 +47,16 @@ def overlap_blocker(trainer: Any, module: Any, optimizers: list[Any]) -> Optiona
             if _overridden(name, callback, pl.Callback):
                 return f"{type(callback).__name__}.{name}"
     return None
+
+
+def gradient_readers(trainer: Any, module: Any) -> list[str]:
+    """The user hooks that might read ``p.grad`` after backward (None here: the gradients are in the engine)."""
+    import lightning.pytorch as pl
+
+    found = [f"{type(module).__name__}.{name}" for name in _GRAD_HOOKS if _overridden(name, module, pl.LightningModule)]
+    found += [f"{type(c).__name__}.{name}" for c in trainer.callbacks for name in _GRAD_HOOKS
+              if _overridden(name, c, pl.Callback)]
+    return found
 
 
 def gradient_changers(trainer: Any, loss_scaling: bool) -> Optional[str]:

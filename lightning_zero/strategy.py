@@ -269,6 +269,12 @@ class ZeroStrategy(ParallelStrategy):
                 "ZeroConfig.delayed_step=True needs the gradients cleared at every step (automatic optimization with "
                 "Lightning's own optimizer_zero_grad): the next window's gradients would otherwise add into the ones "
                 "the delayed update is still reading. Use the stock optimizer_zero_grad or set delayed_step=False.")
+        readers = lightning_loop.gradient_readers(trainer, self.lightning_module) if fitting else []
+        if readers:
+            rank_zero_warn(f"lightning_zero: {', '.join(readers)} run with each parameter's .grad None: the gradients "
+                           f"live in the engine's shards. Log norms with self.trainer.strategy.grad_norm(2) (Lightning's "
+                           f"grad_norm over every rank), read one with lightning_zero.utils.safe_get_full_grad(p) (on "
+                           f"every rank), clip with self.clip_gradients(optimizer, ...).")
         if engine.offloader is not None:  # the host may step during backward only when nothing comes between
             blocker = (lightning_loop.overlap_blocker(trainer, self.lightning_module, optimizers)
                        if fitting else "not fitting")
@@ -572,6 +578,23 @@ class ZeroStrategy(ParallelStrategy):
                 raise RuntimeError("memory_report() needs a set-up strategy: call it during or after trainer.fit().")
             return self._final_report
         return memory_report(self.engine)
+
+    def grad_norm(self, norm_type: Union[float, int, str] = 2.0, group_separator: str = "/") -> dict[str, Tensor]:
+        """Lightning's ``grad_norm(module, norm_type)`` for a module whose gradients live in the engine's shards
+        (each parameter's ``.grad`` is None in ``on_before_optimizer_step``): the same keys and values, each
+        parameter's norm over every rank. A collective: call it on every rank, e.g. in
+        ``on_before_optimizer_step``: ``self.log_dict(self.trainer.strategy.grad_norm(2))``."""
+        norm_type = float(norm_type)
+        if norm_type <= 0:
+            raise ValueError(f"`norm_type` must be a positive number or 'inf' (infinity norm). Got {norm_type}")
+        if self.engine is None:
+            raise RuntimeError("grad_norm() reads the gradients of a fit in progress: call it from a training hook.")
+        self._rendezvous("trainer.strategy.grad_norm()")
+        norms = {f"grad_{norm_type}_norm{group_separator}{name}": value
+                 for name, value in self.engine.grad_norms(norm_type).items()}
+        if norms:
+            norms[f"grad_{norm_type}_norm_total"] = torch.stack(list(norms.values())).norm(norm_type)
+        return norms
 
     def full_state_dict(self, rank0_only: bool = True) -> dict[str, Tensor]:
         """The trained model's full state dict (fp32 master values, the module's keys) on the CPU.

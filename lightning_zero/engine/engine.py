@@ -657,6 +657,23 @@ class ZeroEngine:
         for unit in touched.values():
             unit.refresh_param_shard()  # stage 3 with offload gathers from this compute-dtype copy
 
+    @torch.no_grad()
+    def grad_norms(self, norm_type: float) -> dict[str, torch.Tensor]:
+        """Each parameter's gradient p-norm over every rank's piece (``inf``: the max), by name, for the parameters
+        that hold a gradient: what ``p.grad.norm(norm_type)`` gives under DDP. A collective."""
+        self.finish_grads()
+        slots = [(u, s) for u in self.units for s in sorted(self._grad_slots[u.index])]
+        local = torch.zeros(len(slots), dtype=torch.float64, device=self.device)
+        for i, (unit, slot) in enumerate(slots):
+            piece = unit.pieces[slot]
+            if piece is not None and piece.grad is not None and piece.grad.numel():
+                grad = piece.grad.detach().to(self.device, torch.float64)  # an offloaded gradient is on the host
+                local[i] = grad.abs().max() if math.isinf(norm_type) else grad.abs().pow(norm_type).sum()
+        if slots:
+            self.comm.all_reduce(local, op="max" if math.isinf(norm_type) else "sum")
+        norms = local if math.isinf(norm_type) else local.pow(1.0 / norm_type)
+        return {unit.names[slot]: norm.float() for (unit, slot), norm in zip(slots, norms)}
+
     def _everywhere(self, flags: list[bool]) -> list[bool]:
         """Each flag true on every rank (one all-reduce; the same list length on every rank)."""
         if self.comm.world_size == 1 or not flags:
