@@ -72,33 +72,38 @@ def _state(engine: Any, key: str) -> Callable[[nn.Parameter], Optional[torch.Ten
     return read
 
 
-def safe_get_full_fp32_param(param: nn.Parameter) -> torch.Tensor:
+def _read(param: nn.Parameter, what: str, key: str = "", full: bool = True) -> Optional[torch.Tensor]:
+    """``what``: "param", "grad" or "state" (optimizer state ``key``); ``full``: gathered (a collective) or this
+    rank's piece, flat."""
     engine = _engine(param)
-    if engine is None:
-        return param.detach().float().clone()
-    return _full(engine, param, lambda piece: piece.data)
+    if engine is None:  # not sharded: the parameter answers itself (no optimizer state is known for it)
+        value = {"param": param.detach(), "grad": param.grad, "state": None}[what]
+        if value is None:
+            return None
+        value = value.detach().float()
+        return value.clone() if full else value.reshape(-1)
+    if what == "grad":
+        engine.finish_grads()
+    read = {"param": lambda piece: piece.data, "grad": _grad, "state": _state(engine, key)}[what]
+    return _full(engine, param, read) if full else _local(engine, param, read)
+
+
+def safe_get_full_fp32_param(param: nn.Parameter) -> torch.Tensor:
+    return _read(param, "param")
 
 
 def safe_get_full_grad(param: nn.Parameter) -> Optional[torch.Tensor]:
-    engine = _engine(param)
-    if engine is None:
-        return None if param.grad is None else param.grad.detach().float().clone()
-    engine.finish_grads()
-    return _full(engine, param, _grad)
+    return _read(param, "grad")
 
 
 def safe_get_full_optimizer_state(param: nn.Parameter, optim_state_key: str) -> Optional[torch.Tensor]:
-    engine = _engine(param)
-    if engine is None:
-        return None
-    return _full(engine, param, _state(engine, optim_state_key))
+    return _read(param, "state", optim_state_key)
 
 
 @torch.no_grad()
 def safe_set_full_fp32_param(param: nn.Parameter, value: torch.Tensor) -> None:
     """Every rank passes the same full ``value``: it becomes the fp32 master (and the module's values)."""
-    engine = _engine(param)
-    if engine is None:
+    if _engine(param) is None:
         param.copy_(value)
         return
     from ..zero import GatheredParameters
@@ -108,20 +113,12 @@ def safe_set_full_fp32_param(param: nn.Parameter, value: torch.Tensor) -> None:
 
 
 def safe_get_local_fp32_param(param: nn.Parameter) -> Optional[torch.Tensor]:
-    engine = _engine(param)
-    return param.detach().float().reshape(-1) if engine is None else _local(engine, param, lambda p: p.data)
+    return _read(param, "param", full=False)
 
 
 def safe_get_local_grad(param: nn.Parameter) -> Optional[torch.Tensor]:
-    engine = _engine(param)
-    if engine is None:
-        return None if param.grad is None else param.grad.detach().float().reshape(-1)
-    engine.finish_grads()
-    return _local(engine, param, _grad)
+    return _read(param, "grad", full=False)
 
 
 def safe_get_local_optimizer_state(param: nn.Parameter, optim_state_key: str) -> Optional[torch.Tensor]:
-    engine = _engine(param)
-    if engine is None:
-        return None
-    return _local(engine, param, _state(engine, optim_state_key))
+    return _read(param, "state", optim_state_key, full=False)
