@@ -261,3 +261,37 @@ def test_zero_auto_gives_the_gpu_memory_of_its_first_placement_back_before_the_n
     assert seen["start"] >= 4 * params  # at least the fp32 parameters (the masters) of the first placement
     assert seen["rebuild"] < 0.1 * seen["start"], seen  # what is left: the batch and the loss
     assert len(seen["losses"]) == 3 and all(math.isfinite(v) for v in seen["losses"])
+
+
+@pytest.mark.parametrize("stage,offload", [(2, "none"), (3, "none"), (2, "cpu")])
+def test_weight_clipping_reaches_the_masters_on_the_gpu(stage, offload):
+    """bf16-mixed on CUDA: the clamp of the published 16-bit values is taken into the fp32 masters (on the device;
+    an offloaded master at the end of fit); the trained weights stay within the bound."""
+    import lightning.pytorch as pl
+    from torch import nn
+    from torch.utils.data import DataLoader
+
+    import lightning_zero
+
+    class Critic(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 64), nn.Linear(64, 1)
+
+        def training_step(self, batch, batch_idx):
+            return self.b(torch.tanh(self.a(batch[0]))).pow(2).mean()
+
+        def on_train_batch_end(self, outputs, batch, batch_idx):
+            for p in self.parameters():
+                p.data.clamp_(-0.05, 0.05)
+
+        def configure_optimizers(self):
+            return torch.optim.Adam(self.parameters(), lr=0.1)
+
+    torch.manual_seed(0)
+    strategy = lightning_zero.ZeroStrategy(stage=stage, offload_optimizer=offload)
+    trainer = pl.Trainer(accelerator="gpu", devices=1, strategy=strategy, precision="bf16-mixed", max_steps=4,
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(Critic(), DataLoader([(torch.randn(8),) for _ in range(16)], batch_size=4))
+    bound = torch.tensor(0.05, dtype=torch.bfloat16).item()  # the 16-bit value the clamp writes
+    assert max(v.abs().max().item() for v in trainer.strategy.full_state_dict().values()) <= bound
