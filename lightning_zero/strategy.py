@@ -468,6 +468,14 @@ class ZeroStrategy(ParallelStrategy):
                     error = again
 
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
+        try:
+            return self._backward(closure_loss, optimizer, *args, **kwargs)
+        except RuntimeError as err:  # a stage-3 placeholder captured outside its forward shows in backward's shapes
+            if self.engine is not None:
+                self.engine.explain_placeholder_use(err, only_sharded=False)
+            raise
+
+    def _backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
         if self._step_args is None or not self._may_replan():
             return super().backward(closure_loss, optimizer, *args, **kwargs)
         try:

@@ -282,3 +282,32 @@ def test_an_in_place_edit_of_a_sharded_parameter_is_an_error_not_lost():
 
     with pytest.raises(ShardedParameterEditError, match=r"'[ab].weight'.*changed in place while sharded.*GatheredParameters"):
         _clip_fit(lightning_zero.ZeroStrategy(stage=3, wrap_modules=["Linear"], param_persistence_threshold=0), "plain")
+
+
+def test_a_penalty_over_sharded_parameters_in_training_step_is_named():
+    """The placeholder is captured in training_step, outside every forward; torch fails in backward."""
+    import lightning.pytorch as pl
+    from torch import nn
+    from torch.utils.data import DataLoader
+
+    import lightning_zero
+
+    class Penalized(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 1)
+
+        def training_step(self, batch, batch_idx):
+            loss = self.b(torch.relu(self.a(batch[0]))).pow(2).mean()
+            return loss + 1e-3 * sum(p.pow(2).sum() for p in self.parameters())
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    strategy = lightning_zero.ZeroStrategy(stage=3, wrap_modules=["Linear"], param_persistence_threshold=0)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=1, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    with pytest.raises(RuntimeError) as info:
+        trainer.fit(Penalized(), DataLoader([(torch.randn(8),) for _ in range(4)], batch_size=2))
+    notes = " ".join(getattr(info.value, "__notes__", []))
+    assert "is sharded here" in notes and "weight_decay" in notes, (str(info.value), notes)

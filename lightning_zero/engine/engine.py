@@ -259,13 +259,15 @@ class ZeroEngine:
             try:
                 yield
             except RuntimeError as err:
-                self._explain_placeholder_use(err)
+                self.explain_placeholder_use(err)
                 raise
 
-    def _explain_placeholder_use(self, err: RuntimeError) -> None:
-        """A shape error on a parameter used outside its group's forward names it (see placeholder_note)."""
-        sharded = {self._position[id(p)]: self.names[id(p)] for u in self.units if u.state is UnitState.SHARDED
-                   for p in u.params if id(p) in self._position}
+    def explain_placeholder_use(self, err: RuntimeError, only_sharded: bool = True) -> None:
+        """A shape error on a parameter used outside its group's forward names it (see placeholder_note).
+        ``only_sharded=False`` (an error in backward, whose saved placeholder's unit may be gathered again by
+        then): any parameter."""
+        sharded = {self._position[id(p)]: self.names[id(p)] for u in self.units
+                   if u.state is UnitState.SHARDED or not only_sharded for p in u.params if id(p) in self._position}
         note = placeholder_note(str(err), sharded)
         if note is not None and note not in getattr(err, "__notes__", ()):
             err.add_note(note)

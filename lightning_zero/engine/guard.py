@@ -48,9 +48,10 @@ def placeholder_note(message: str, sharded: dict[int, str]) -> Optional[str]:
     listed = ", ".join(f"'{n}'" for n in names)
     return (f"lightning_zero: {listed} {'is' if len(names) == 1 else 'are'} sharded here (an empty placeholder): "
             f"stage 3 gathers a module's parameters only while that module's own forward runs, and this code used "
-            f"{'it' if len(names) == 1 else 'them'} outside it (e.g. F.linear(x, self.layer.weight) in a parent's "
-            f"forward). Call the module itself, or take its class out of wrap_modules so that the parameter joins "
-            f"the group of the module whose forward uses it.")
+            f"{'it' if len(names) == 1 else 'them'} outside it (F.linear(x, self.layer.weight) in a parent's "
+            f"forward, a penalty over self.parameters() in training_step). Call the module itself, or take its class "
+            f"out of wrap_modules so that the parameter joins the group of the module whose forward uses it (a "
+            f"penalty on every weight: the optimizer's weight_decay).")
 
 
 @contextmanager
