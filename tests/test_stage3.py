@@ -187,14 +187,28 @@ def test_the_model_summary_counts_sharded_parameters_at_full_size(rich):
     assert seen["per_layer"] == full
 
 
+def _notes_of_failed_fit(module) -> str:
+    """Fit ``module`` one step under stage 3 with every Linear its own sharded group; it must fail: its message
+    and the notes the engine added to it."""
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader
+
+    import lightning_zero
+
+    strategy = lightning_zero.ZeroStrategy(stage=3, wrap_modules=["Linear"], param_persistence_threshold=0)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=1, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    with pytest.raises(RuntimeError) as info:
+        trainer.fit(module, DataLoader([(torch.randn(8),) for _ in range(4)], batch_size=2))
+    return " ".join([str(info.value), *getattr(info.value, "__notes__", [])])
+
+
 @pytest.mark.parametrize("use", ["linear", "matmul"])
 def test_a_parameter_used_outside_its_groups_forward_is_named(use):
     """The shape error torch raises on the empty placeholder gets a note naming the parameter and the fix."""
     import lightning.pytorch as pl
     from torch import nn
-    from torch.utils.data import DataLoader
 
-    import lightning_zero
 
     class Net(pl.LightningModule):
         def __init__(self):
@@ -209,13 +223,8 @@ def test_a_parameter_used_outside_its_groups_forward_is_named(use):
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
-    strategy = lightning_zero.ZeroStrategy(stage=3, wrap_modules=["Linear"], param_persistence_threshold=0)
-    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=1, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
-    with pytest.raises(RuntimeError) as info:
-        trainer.fit(Net(), DataLoader([(torch.randn(8),) for _ in range(4)], batch_size=2))
-    notes = " ".join(getattr(info.value, "__notes__", []))
-    assert "'inner.weight' is sharded here" in notes and "wrap_modules" in notes, (str(info.value), notes)
+    notes = _notes_of_failed_fit(Net())
+    assert "'inner.weight' is sharded here" in notes and "wrap_modules" in notes, notes
 
 
 def test_the_placeholder_note_names_only_sharded_parameters():
@@ -288,9 +297,7 @@ def test_a_penalty_over_sharded_parameters_in_training_step_is_named():
     """The placeholder is captured in training_step, outside every forward; torch fails in backward."""
     import lightning.pytorch as pl
     from torch import nn
-    from torch.utils.data import DataLoader
 
-    import lightning_zero
 
     class Penalized(pl.LightningModule):
         def __init__(self):
@@ -304,10 +311,5 @@ def test_a_penalty_over_sharded_parameters_in_training_step_is_named():
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
-    strategy = lightning_zero.ZeroStrategy(stage=3, wrap_modules=["Linear"], param_persistence_threshold=0)
-    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=1, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
-    with pytest.raises(RuntimeError) as info:
-        trainer.fit(Penalized(), DataLoader([(torch.randn(8),) for _ in range(4)], batch_size=2))
-    notes = " ".join(getattr(info.value, "__notes__", []))
-    assert "is sharded here" in notes and "weight_decay" in notes, (str(info.value), notes)
+    notes = _notes_of_failed_fit(Penalized())
+    assert "is sharded here" in notes and "weight_decay" in notes, notes
