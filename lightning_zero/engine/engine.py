@@ -30,13 +30,15 @@ from ..collectives import Comm
 from ..config import DTYPE_NAMES, ZeroConfig
 from ..partition import layout_unit, plan_buckets
 from .activation import apply_activation_checkpointing
+from .edits import absorb_edits
 from .flat_unit import FlatUnit, UnitState
 from .gather import Gatherer
 from .grads import GradientReducer, ReducePolicy
 from .groups import build_needs, group_lookup, group_modules, members_of, owner_of
-from .guard import install_load_into_masters, install_state_dict_guard, placeholder_note
+from .guard import install_load_into_masters, install_state_dict_guard, note_placeholder_use
 from .host import host_norms
 from .materialize import RngState, check_no_meta_left, has_meta, materialize_module, model_initializers
+from .norms import grad_norms
 from .offload import Offloader
 from .optim import Routes, check_optimizer, pieces_in_groups, unwrap
 from .readiness import ForwardOrder
@@ -263,14 +265,9 @@ class ZeroEngine:
                 raise
 
     def explain_placeholder_use(self, err: RuntimeError, only_sharded: bool = True) -> None:
-        """A shape error on a parameter used outside its group's forward names it (see placeholder_note).
-        ``only_sharded=False`` (an error in backward, whose saved placeholder's unit may be gathered again by
-        then): any parameter."""
-        sharded = {self._position[id(p)]: self.names[id(p)] for u in self.units
-                   if u.state is UnitState.SHARDED or not only_sharded for p in u.params if id(p) in self._position}
-        note = placeholder_note(str(err), sharded)
-        if note is not None and note not in getattr(err, "__notes__", ()):
-            err.add_note(note)
+        """A shape error on a parameter used outside its group's forward names it (``only_sharded=False``: an
+        error in backward, whose saved placeholder's unit may be gathered again by then)."""
+        note_placeholder_use(err, self.units, self._position, self.names, only_sharded)
 
     def describe_offload(self) -> Optional[str]:
         """One line on what is offloaded where (None without offload)."""
@@ -635,46 +632,20 @@ class ZeroEngine:
         if self.offloader is not None:
             self.offloader.settle(self.republish if publish else None)
 
-    @torch.no_grad()
     def absorb_edits(self, offloaded_too: bool = True) -> None:
-        """A user's in-place edits of the parameters since they were published go into the fp32 masters (see
-        [Note: edits of published values]); one host sync. Offloaded masters only with ``offloaded_too`` (outside
-        the step: during it the host may be stepping them; each chunk is copied to the device), never NVMe's (in
-        files) nor under delayed_step (its host master runs a step ahead of the device values by design)."""
+        """A user's in-place edits of the parameters go into the fp32 masters (:mod:`.edits`). Offloaded masters only
+        with ``offloaded_too`` (outside the step, where the host may be stepping them), never NVMe's (in files) nor
+        under delayed_step (its host master runs a step ahead of the device values by design)."""
         host = self.offloader.indices if self.offloader is not None else ()
         reachable = offloaded_too and self.config.offload_optimizer != "nvme" and not self.config.delayed_step
-        chunks = []
-        for unit in self.units:
-            unit.check_placeholders()
-            if unit.index not in host or reachable:
-                chunks += [(unit, lo, hi, flag) for lo, hi, flag in unit.edit_flags()]
-        if not chunks:
-            return
-        changed = torch.stack([flag for _, _, _, flag in chunks]).tolist()
-        touched = {}
-        for (unit, lo, hi, _), edited in zip(chunks, changed):
-            if edited:
-                unit.take_edits(lo, hi)
-                touched[unit.index] = unit
-        for unit in touched.values():
-            unit.refresh_param_shard()  # stage 3 with offload gathers from this compute-dtype copy
+        absorb_edits(self.units, lambda unit: unit.index not in host or reachable)
 
-    @torch.no_grad()
     def grad_norms(self, norm_type: float) -> dict[str, torch.Tensor]:
-        """Each parameter's gradient p-norm over every rank's piece (``inf``: the max), by name, for the parameters
-        that hold a gradient: what ``p.grad.norm(norm_type)`` gives under DDP. A collective."""
+        """Each parameter's gradient p-norm over every rank's piece, by name, for the parameters that hold a
+        gradient (:mod:`lightning_zero.engine.norms`). A collective."""
         self.finish_grads()
         slots = [(u, s) for u in self.units for s in sorted(self._grad_slots[u.index])]
-        local = torch.zeros(len(slots), dtype=torch.float64, device=self.device)
-        for i, (unit, slot) in enumerate(slots):
-            piece = unit.pieces[slot]
-            if piece is not None and piece.grad is not None and piece.grad.numel():
-                grad = piece.grad.detach().to(self.device, torch.float64)  # an offloaded gradient is on the host
-                local[i] = grad.abs().max() if math.isinf(norm_type) else grad.abs().pow(norm_type).sum()
-        if slots:
-            self.comm.all_reduce(local, op="max" if math.isinf(norm_type) else "sum")
-        norms = local if math.isinf(norm_type) else local.pow(1.0 / norm_type)
-        return {unit.names[slot]: norm.float() for (unit, slot), norm in zip(slots, norms)}
+        return grad_norms(slots, self.device, self.comm, norm_type)
 
     def _everywhere(self, flags: list[bool]) -> list[bool]:
         """Each flag true on every rank (one all-reduce; the same list length on every rank)."""

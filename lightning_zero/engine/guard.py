@@ -21,9 +21,19 @@ from torch import nn
 from .flat_unit import FlatUnit, UnitState
 
 __all__ = ["allow_state_dict", "install_state_dict_guard", "install_load_into_masters", "ShardedStateDictError",
-           "placeholder_note"]
+           "placeholder_note", "note_placeholder_use"]
 
 _allowed = [0]
+
+
+def note_placeholder_use(err: RuntimeError, units: Any, position: dict[int, int], names: dict[int, str],
+                         only_sharded: bool) -> None:
+    """Add :func:`placeholder_note` to ``err`` for the parameters of ``units`` (the sharded ones, or all)."""
+    candidates = {position[id(p)]: names[id(p)] for u in units if u.state is UnitState.SHARDED or not only_sharded
+                  for p in u.params if id(p) in position}
+    note = placeholder_note(str(err), candidates)
+    if note is not None and note not in getattr(err, "__notes__", ()):
+        err.add_note(note)
 
 
 class ShardedStateDictError(RuntimeError):
