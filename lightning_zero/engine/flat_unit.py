@@ -198,7 +198,7 @@ class FlatUnit:
             param.data = placeholder
         self.free_storage()
         self.state = UnitState.SHARDED
-        self.released_versions = [param._version for param in self.params]  # an in-place edit bumps one
+        self.forget_edits()  # from here an in-place edit of a placeholder bumps its parameter's version
 
     def alloc_storage(self) -> None:
         storage = self.full.untyped_storage()
@@ -234,8 +234,8 @@ class FlatUnit:
                 self.after_param_io()
 
     def forget_edits(self) -> None:
-        """The parameters' in-place changes so far were written into the master by other means (GatheredParameters
-        with a modifier rank): not an edit of a placeholder."""
+        """Stage 3, sharded: the parameters' versions now, against which :meth:`check_placeholders` compares (at
+        each release; after GatheredParameters with a modifier rank, whose changes went into the master)."""
         if self.state is UnitState.SHARDED:
             self.released_versions = [param._version for param in self.params]
 
