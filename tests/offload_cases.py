@@ -89,6 +89,46 @@ def run_parity(rank: int, world: int, nvme_dir: str) -> dict:
     return out
 
 
+def slow_publish_case(rank: int, world: int) -> dict:
+    """Stage 3 offload, bf16, host step during backward, LoRA blocks: a block's adapters get their gradients before
+    the block's backward ends, so the worker publishes a unit's new values into its full buffer while the main thread
+    may release that buffer. The publish is slowed down so that the release lands inside it. Returns the fit with and
+    without the slowdown, and how many releases of the very buffer being written came during a publish."""
+    from parity_matrix import Cell, fit_cell
+
+    from lightning_zero.engine import flat_unit
+
+    cell = Cell("lora", "zero3_offload", "bf16-mixed", accumulate=1, clip=False, world=world)
+    plain_copy, plain_release = flat_unit._to_device, flat_unit.FlatUnit.release_full
+    publishing = {"storage": None}  # the storage the worker is writing into, while it does
+    crossed = [0]
+
+    def slow_copy(dst, src):
+        if not threading.current_thread().name.startswith("lz-host-step"):
+            return plain_copy(dst, src)
+        publishing["storage"] = dst.untyped_storage().data_ptr()
+        time.sleep(0.02)
+        plain_copy(dst, src)
+        publishing["storage"] = None
+
+    def counted_release(unit):
+        mine = unit.full.untyped_storage().data_ptr() if unit.storage_alive else None
+        if mine is not None and not torch.is_grad_enabled() and any(p.requires_grad for p in unit.params):
+            deadline = time.monotonic() + 0.5  # in backward, a unit with adapters: give its publish time to begin
+            while publishing["storage"] != mine and time.monotonic() < deadline:
+                time.sleep(0.001)
+        crossed[0] += mine is not None and publishing["storage"] == mine
+        plain_release(unit)
+
+    try:
+        reference = fit_cell(cell, world)
+        flat_unit._to_device, flat_unit.FlatUnit.release_full = slow_copy, counted_release
+        slowed = fit_cell(cell, world)
+    finally:
+        flat_unit._to_device, flat_unit.FlatUnit.release_full = plain_copy, plain_release
+    return {"reference": reference, "slowed": slowed, "crossed": crossed[0]}
+
+
 def run_checkpoints(rank: int, world: int, d: str, nvme_dir: str) -> dict:
     """Offloaded state saved and restored through sharded checkpoints, to and from plain stages."""
     cpu = dict(options=dict(offload_optimizer="cpu", offload_fraction=0.5))

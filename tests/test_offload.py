@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 from dist_utils import run_ranks
-from offload_cases import planner_case, rss_case, run_checkpoints, run_parity
+from offload_cases import planner_case, rss_case, run_checkpoints, run_parity, slow_publish_case
 from parity import assert_parity, global_l2_err, rel_err, state_err
 from test_checkpoint import assert_resumed_like
 
@@ -68,6 +68,17 @@ def test_host_step_during_backward_matches_ddp(world2, run):
     for results in world2:  # a callback's on_after_backward (the LM cases' memory probe) or NVMe files: after
         assert results["zero2_cpu"]["stepped_in_backward"] == 0
         assert results["zero2_nvme"]["stepped_in_backward"] == 0
+
+
+@pytest.mark.slow
+def test_a_release_during_the_workers_publish_waits_for_it():
+    # stage 3 frees a unit's full buffer after its backward while the host step's worker may be writing the unit's
+    # new values into it: the release must wait (else "data is not allocated yet", or a write into freed memory)
+    for rank in run_ranks(slow_publish_case, 2, lightning=True):
+        assert rank["crossed"] > 0, "no release came while a publish was under way: the test did not race"
+        assert rank["slowed"]["losses"] == rank["reference"]["losses"]
+        if "weights" in rank["reference"]:  # rank 0 reads the full state
+            assert state_err(rank["slowed"]["weights"], rank["reference"]["weights"]) == 0
 
 
 @pytest.mark.slow

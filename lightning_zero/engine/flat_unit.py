@@ -28,6 +28,7 @@ Lightning's fine-tuning callbacks need).
 from __future__ import annotations
 
 import enum
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Optional
@@ -84,6 +85,9 @@ class FlatUnit:
     home: Optional[torch.device] = None  # the compute device (the master may live on the host)
     after_param_io: Optional[Callable[[], None]] = None  # NVMe: release the mapped pages of ``param_shard``
     released_versions: list[int] = field(default_factory=list)  # the parameters' ``_version`` when last sharded
+    # the host step's worker publishes into ``full`` while the main thread may free it (stage 3, after the unit's
+    # backward): the two take turns
+    full_lock: threading.Lock = field(default_factory=threading.Lock)
 
     def __repr__(self) -> str:
         # not the dataclass's: printing a tensor whose storage stage 3 gave back reads freed memory (a traceback
@@ -194,10 +198,11 @@ class FlatUnit:
 
     def release_full(self) -> None:
         """Stage 3: parameters become placeholders and ``full`` gives its memory back."""
-        for param, placeholder in zip(self.params, self.placeholders):
-            param.data = placeholder
-        self.free_storage()
-        self.state = UnitState.SHARDED
+        with self.full_lock:
+            for param, placeholder in zip(self.params, self.placeholders):
+                param.data = placeholder
+            self.free_storage()
+            self.state = UnitState.SHARDED
         self.forget_edits()  # from here an in-place edit of a placeholder bumps its parameter's version
 
     def alloc_storage(self) -> None:
@@ -282,11 +287,15 @@ class FlatUnit:
         """After the master changed: this rank's chunk of the device values follows it (the compute-dtype shard,
         and the chunk's place in the full buffer while gathered); the other ranks' chunks come with a gather."""
         self.refresh_param_shard()
-        if self.state is UnitState.UNSHARDED:
+        with self.full_lock:  # called from the host step's worker: ``full`` stays alive until the copy is queued
+            if self.state is not UnitState.UNSHARDED:
+                return
             own = self.full[self.shard_slice]
             src = self.gather_source()  # stages 1/2: writes ``own`` itself; stage 3: the refreshed shard
             if src.data_ptr() != own.data_ptr():
                 own.copy_(src)
+            if own.is_cuda:  # queued on a side stream: a free of ``full`` on the compute stream waits for it
+                own.record_stream(torch.cuda.current_stream(own.device))
 
     def own_chunk(self) -> torch.Tensor:
         """This rank's chunk on the device as it is now (after :meth:`publish_own`), as all-gather input."""
