@@ -163,11 +163,11 @@ def fit_case(rank: int, world: int, module_name: str, strategy: str, precision: 
     """Fit one module under one strategy; returns losses, final full state dict and extras."""
     assert lightning_zero  # registers the names
     pl.seed_everything(0, verbose=False)
-    module = {"lm": TinyLM, "blocks": BlockLM, "gan": TinyGAN, "bn": BNNet, "encode": EncodeOnly,
+    module = {"lm": TinyLM, "blocks": BlockLM, "blocks_reentrant": ReentrantBlockLM, "gan": TinyGAN, "bn": BNNet, "encode": EncodeOnly,
               "rank_expert": RankExpertLM}[module_name]()
     if inject:
         module.inject_inf_at = set(inject)
-    lm = module_name in ("lm", "blocks", "rank_expert")
+    lm = module_name in ("lm", "blocks", "blocks_reentrant", "rank_expert")
     data = lm_data() if lm else gan_data()
     plugins = [ZeroPrecision(plugin)] if plugin else None
     trainer = pl.Trainer(accelerator=accelerator, devices=world, strategy=make_strategy(strategy, **(options or {})),
@@ -247,6 +247,20 @@ class BlockLM(TinyLM):
         x = self.shared(torch.tanh(self.shared(x)))
         logits = self.head(self.norm(self.frozen(x)))
         return logits + 0.0 * self.head.weight.sum()  # a parameter used outside its module's forward
+
+
+class ReentrantBlockLM(BlockLM):
+    """BlockLM whose blocks run under reentrant activation checkpointing (HF's default): each block's forward runs
+    again inside backward, with a nested backward of its own."""
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.emb(idx)
+        for block in self.blocks:
+            x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=True)
+        x = self.blocks[0](x)
+        x = self.shared(torch.tanh(self.shared(x)))
+        logits = self.head(self.norm(self.frozen(x)))
+        return logits + 0.0 * self.head.weight.sum()
 
 
 class MetaLM(pl.LightningModule):

@@ -66,6 +66,11 @@ LIGHTNING = {
     # blocks too small to be groups, their ModuleList big enough: a container is never a group
     "zero3_size_list": (("blocks", "zero3"), dict(LM, options=dict(min_group_params=5000,
                                                                    param_persistence_threshold=0))),
+    # reentrant checkpointing of each block: with the Linear layers as groups of their own, each is gathered by its
+    # recomputation inside backward and released after the nested backward
+    "zero3_reentrant": (("blocks_reentrant", "zero3"), dict(LM, options=BLOCK)),
+    "zero3_size_reentrant": (("blocks_reentrant", "zero3"), dict(LM, options=dict(min_group_params=100,
+                                                                                  param_persistence_threshold=0))),
     "encode_ddp": (("encode", "ddp"), dict(accumulate=2)),
     "encode_zero3": (("encode", "zero3"), dict(accumulate=2, options=dict(wrap_modules=("Coder",),
                                                                           param_persistence_threshold=0))),
@@ -88,6 +93,7 @@ def lightning2():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("run,ref", [("zero3", "ddp"), ("zero3_ckpt", "ddp"), ("zero3_size", "ddp"),
+                                     ("zero3_reentrant", "ddp"), ("zero3_size_reentrant", "ddp"),
                                      ("zero3_size_list", "ddp"), ("encode_zero3", "encode_ddp"),
                                      ("gan_zero3", "gan_ddp")])
 def test_lightning_stage3_matches_ddp(lightning2, run, ref):

@@ -393,7 +393,13 @@ class Gatherer:
         inputs = [t for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
         if inputs:  # reentrant recomputation: the nested backward reaches these inputs last
             post_backward = weakly(self.post_backward)
-            torch.autograd.graph.register_multi_grad_hook(inputs, lambda _g: post_backward(call), mode="all")
+
+            def after_nested_backward(_grads: Any) -> None:
+                # not at once: the parameters' AccumulateGrad nodes may still be queued beside the inputs' (the same
+                # priority), so the group is released when the nested backward has finished
+                torch.autograd.Variable._execution_engine.queue_callback(lambda: post_backward(call))
+
+            torch.autograd.graph.register_multi_grad_hook(inputs, after_nested_backward, mode="all")
 
     @torch.compiler.disable
     def _pre_forward_member(self, module: nn.Module, args: Any) -> None:
