@@ -80,6 +80,7 @@ class ZeroStrategy(ParallelStrategy):
         self._failed = False  # an exception ended this rank's run (see teardown)
         self._host_recheck = False  # offload: check the host budget again before the first step
         self._undo_hold: Optional[Callable[[], None]] = None  # scheduler_on_skip="hold" (see setup)
+        self._undo_averaging: Optional[Callable[[], None]] = None  # stage 3: averaging callbacks gather (setup)
         self._auto_config: Optional[ZeroConfig] = None  # zero_auto: the config it plans from (see replan.py)
         self._replanner = Replanner()
         self._step_args: Optional[tuple] = None
@@ -290,6 +291,21 @@ class ZeroStrategy(ParallelStrategy):
             self._place_host_threads()
         if self.config.shard_params:
             install_summary(trainer)
+        if fitting and engine.gatherer is not None and len(engine.gatherer.persistent) < len(engine.units):
+            self._gather_for_averaging(trainer)
+
+    def _gather_for_averaging(self, trainer: Any) -> None:
+        """Stage 3 with sharded units: Lightning's weight-averaging callbacks see whole parameters (averaging.py)."""
+        from .averaging import gather_for_averaging
+
+        names, undo = gather_for_averaging(trainer, self.lightning_module)
+        if names:
+            self._undo_averaging = undo
+            from .engine.memory import fmt_bytes
+
+            size = fmt_bytes(sum(p.numel() for p in self.lightning_module.parameters()) * 4)
+            rank_zero_info(f"lightning_zero stage 3: {', '.join(names)} read every parameter between steps: their hooks "
+                           f"gather the whole model in fp32 ({size}) on every rank while they run")
 
     def _plan_placement(self, trainer: Any, measured: Optional[int] = None) -> None:
         """zero_auto: the planner picks stage and offload for these devices and this model (rank 0 decides)."""
@@ -707,9 +723,10 @@ class ZeroStrategy(ParallelStrategy):
         validate/test/predict after fit run sharded); stages 1/2 give the module back with its
         trained parameters in place and keep only their shards (for saving after fit). After an
         error on this rank nothing is kept and no collective runs."""
-        if self._undo_hold is not None:
-            self._undo_hold()
-            self._undo_hold = None
+        for undo in (self._undo_hold, self._undo_averaging):
+            if undo is not None:
+                undo()
+        self._undo_hold = self._undo_averaging = None
         engine = self.engine
         if engine is not None and not self._failed:
             engine.settle()  # delayed_step: the last update reaches the module

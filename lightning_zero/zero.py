@@ -79,9 +79,10 @@ class GatheredParameters:
     """Full values of sharded parameters inside the block; with ``modifier_rank``, that rank's changes are kept."""
 
     def __init__(self, params: Any, modifier_rank: Optional[int] = None, fwd_module: Any = None,
-                 enabled: bool = True) -> None:
+                 enabled: bool = True, fp32: bool = False) -> None:
         self.params = _as_list(params) if enabled else []
         self.modifier_rank = modifier_rank
+        self.fp32 = fp32  # hand the fp32 master values themselves, whatever the parameters' dtype
         self._held: list[tuple[ZeroEngine, Any, dict[int, torch.Tensor], list[tuple[nn.Parameter, torch.Tensor, Optional[torch.Tensor]]]]] = []
 
     def __enter__(self) -> GatheredParameters:
@@ -113,7 +114,7 @@ class GatheredParameters:
             unit, slot = engine.slot_of(p)
             view = unit.param_views(fulls[id(unit)])[slot]
             original = p.data
-            p.data = view.to(dtype=p.dtype, copy=True)
+            p.data = view.to(dtype=torch.float32 if self.fp32 else p.dtype, copy=True)
             before = p.data.clone() if self.modifier_rank is not None and p.dtype != torch.float32 else None
             handed.append((p, original, before))
         self._held.append((engine, units, fulls, handed))

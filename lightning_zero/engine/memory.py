@@ -15,7 +15,7 @@ import torch
 
 from .engine import ZeroEngine
 
-__all__ = ["MemoryReport", "memory_report"]
+__all__ = ["MemoryReport", "memory_report", "fmt_bytes"]
 
 GiB = float(2**30)
 
@@ -59,28 +59,28 @@ class MemoryReport:
         n, w = self.num_params, self.world_size
         lines = [f"lightning_zero memory report — rank {self.rank}/{w}, stage {self.stage}, Ψ = {n:,} parameters"]
         for key, value in self.measured.items():
-            lines.append(f"  {key:<16} {_fmt(value):>12}")
-        lines.append(f"  {'model state':<16} {_fmt(self.model_state):>12}   (parameters + gradients + master + "
+            lines.append(f"  {key:<16} {fmt_bytes(value):>12}")
+        lines.append(f"  {'model state':<16} {fmt_bytes(self.model_state):>12}   (parameters + gradients + master + "
                      f"optimizer state)")
-        lines.append(f"  {'formula (ours)':<16} {_fmt(self.formula_ours):>12}   ({_ratio(self.model_state, self.formula_ours)} "
+        lines.append(f"  {'formula (ours)':<16} {fmt_bytes(self.formula_ours):>12}   ({_ratio(self.model_state, self.formula_ours)} "
                      f"of it measured)")
-        lines.append(f"  {'formula (paper)':<16} {_fmt(self.formula_paper):>12}   (ZeRO paper, mixed-precision Adam: "
+        lines.append(f"  {'formula (paper)':<16} {fmt_bytes(self.formula_paper):>12}   (ZeRO paper, mixed-precision Adam: "
                      f"{_paper_text(self.stage)})")
         if self.stage >= 3:
-            lines.append(f"  {'peak gathered':<16} {_fmt(self.peak_gathered):>12}   (stage-3 working set, not model state)")
+            lines.append(f"  {'peak gathered':<16} {fmt_bytes(self.peak_gathered):>12}   (stage-3 working set, not model state)")
         if self.offloaded or self.planned_host:
-            lines.append(f"  {'offloaded':<16} {_fmt(self.offloaded.get('host', 0)):>12} host, "
-                         f"{_fmt(self.offloaded.get('nvme', 0))} NVMe files")
-        lines.append(f"  {'planned':<16} {_fmt(self.planned_device):>12} device, {_fmt(self.planned_host)} host, "
-                     f"{_fmt(self.planned_nvme)} NVMe   (lightning_zero.estimate; measured device "
+            lines.append(f"  {'offloaded':<16} {fmt_bytes(self.offloaded.get('host', 0)):>12} host, "
+                         f"{fmt_bytes(self.offloaded.get('nvme', 0))} NVMe files")
+        lines.append(f"  {'planned':<16} {fmt_bytes(self.planned_device):>12} device, {fmt_bytes(self.planned_host)} host, "
+                     f"{fmt_bytes(self.planned_nvme)} NVMe   (lightning_zero.estimate; measured device "
                      f"{_ratio(self.device_state, self.planned_device)} of it)")
         if self.window_gradients:
-            lines.append(f"  {'window grads':<16} {_fmt(self.window_gradients):>12}   (stage 1: full gradients held while a "
+            lines.append(f"  {'window grads':<16} {fmt_bytes(self.window_gradients):>12}   (stage 1: full gradients held while a "
                          f"window accumulates, freed by its reduction)")
         return "\n".join(lines)
 
 
-def _fmt(nbytes: int) -> str:
+def fmt_bytes(nbytes: int) -> str:
     return f"{nbytes / GiB:.3f} GiB" if nbytes >= 2**28 else f"{nbytes / 2**20:.2f} MiB"
 
 
