@@ -275,7 +275,7 @@ class ZeroStrategy(ParallelStrategy):
             rank_zero_warn(f"lightning_zero: {', '.join(readers)} run with each parameter's .grad None: the gradients "
                            f"live in the engine's shards. Log norms with self.trainer.strategy.grad_norm(2) (Lightning's "
                            f"grad_norm over every rank), read one with lightning_zero.utils.safe_get_full_grad(p) (on "
-                           f"every rank), clip with self.clip_gradients(optimizer, ...).")
+                           f"every rank), clip with self.clip_gradients(optimizer, ...) or torch.nn.utils.clip_grad_norm_ on every rank.")
         if engine.offloader is not None:  # the host may step during backward only when nothing comes between
             blocker = (lightning_loop.overlap_blocker(trainer, self.lightning_module, optimizers)
                        if fitting else "not fitting")

@@ -52,3 +52,57 @@ def fit(rank: int, world: int, strategy: str, norm_type: float) -> dict:
         warnings.simplefilter("always")
         trainer.fit(model, data)
     return {"seen": model.seen, "warned": any("grad_norm(2)" in str(w.message) for w in caught)}
+
+
+class TorchClipped(pl.LightningModule):
+    """Manual optimization clipped with torch's ``clip_grad_norm_`` over the module's parameters plus a tensor outside
+    it (a learned temperature kept as a plain attribute: no engine holds it and DDP does not sync it, so every rank
+    sees the same batches), then ``clip_grad_value_``."""
+
+    def __init__(self, norm_type: float) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.norm_type = norm_type
+        self.body = nn.Sequential(nn.Linear(6, 40), nn.Tanh(), nn.Linear(40, 1))
+        self.outside = torch.ones(1, requires_grad=True)
+        self.norms: list[float] = []
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        opt.zero_grad()
+        self.outside.grad = None
+        self.manual_backward((self.body(batch[0]) * self.outside).pow(2).mean())
+        params = [*self.parameters(), self.outside]
+        self.norms.append(float(torch.nn.utils.clip_grad_norm_(params, 0.05, norm_type=self.norm_type)))
+        torch.nn.utils.clip_grad_value_(self.parameters(), 0.004)
+        opt.step()
+        with torch.no_grad():
+            self.outside -= 0.1 * self.outside.grad
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+
+def fit_torch_clipped(rank: int, world: int, strategy: str, norm_type: float) -> dict:
+    torch.manual_seed(0)
+    model = TorchClipped(norm_type)
+    chosen = lightning_zero.ZeroStrategy(stage=int(strategy[4]), min_group_params=50, param_persistence_threshold=0,
+                                         offload_optimizer="cpu" if "offload" in strategy else "none") \
+        if strategy != "ddp" else pl.strategies.DDPStrategy()
+    g = torch.Generator().manual_seed(0)  # the same batches on every rank: the outside tensor's gradient agrees
+    data = DataLoader([(torch.randn(6, generator=g),) for _ in range(12)], batch_size=3)
+    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=chosen, max_steps=3, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         use_distributed_sampler=False)
+    trainer.fit(model, data)
+    state = (trainer.strategy.full_state_dict(rank0_only=False) if strategy != "ddp"
+             else model.state_dict())
+    # torch's own behaviour for tensors no engine holds, with an engine alive in the process
+    plain = nn.Linear(4, 4)
+    plain(torch.ones(2, 4)).sum().backward()
+    reference = [p.grad.clone() for p in plain.parameters()]
+    norm = torch.nn.utils.clip_grad_norm_(plain.parameters(), 0.1)
+    expected = torch.nn.utils.get_total_norm(reference)
+    return {"norms": model.norms, "outside": float(model.outside), "state": {k: v.float().clone() for k, v in state.items()},
+            "plain_norm": float(norm), "plain_expected": float(expected),
+            "plain_clipped": max(float(p.grad.norm()) for p in plain.parameters())}

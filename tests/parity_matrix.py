@@ -159,7 +159,8 @@ def fit_cell(cell: Cell, world: int, stock_ddp: bool = False, every_rank: bool =
     trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=make_strategy(cell.strategy, stock_ddp),
                          precision=cell.precision, max_epochs=zoo.EPOCHS.get(cell.pattern, 1),
                          accumulate_grad_batches=cell.accumulate if automatic else 1,
-                         gradient_clip_val=zoo.CLIP if automatic and cell.clip else None,
+                         gradient_clip_val=(zoo.CLIP if automatic and cell.clip and not getattr(module, "own_clipping", False)
+                                            else None),
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, num_sanity_val_steps=0,
                          callbacks=module.callbacks() if hasattr(module, "callbacks") else None)

@@ -25,8 +25,8 @@ VOCAB, DIM, SEQ = 29, 16, 8
 CLIP = 0.3  # small enough that clipping acts at most steps of every pattern
 PATTERNS = ("gpt_tied", "gan", "gan_toggle", "shared_loss", "wgan_gp", "lora", "backbone_ft", "add_group", "moe",
             "multi_backward", "schedulers", "hf_gpt2", "batchnorm", "grads_across_steps", "custom_zero_grad",
-            "weight_clip", "adagrad", "rmsprop")
-BF16_PATTERNS = ("gpt_tied", "lora", "moe", "hf_gpt2", "weight_clip")  # bf16-mixed where it means something: token models
+            "weight_clip", "adagrad", "rmsprop", "torch_clip_gan", "torch_clip_hook")
+BF16_PATTERNS = ("gpt_tied", "lora", "moe", "hf_gpt2", "weight_clip", "torch_clip_hook")  # bf16-mixed where it means something: token models
 EPOCHS = {"backbone_ft": 2, "add_group": 2, "schedulers": 2}
 LR_SCALE = 1.0  # the negative control of the 16-bit bound trains gpt_tied with a learning rate slightly off
 GRAD_SCALE = 1.0  # the fp32 bound's: gpt_tied's gradients slightly too large (its hyperparameters stay equal)
@@ -481,11 +481,38 @@ class RMSpropGPT(GPTTied):
         return torch.optim.RMSprop(self.parameters(), lr=3e-3, centered=True, momentum=0.9, weight_decay=0.01)
 
 
+class TorchClipGAN(GAN):
+    """The GAN clipped with torch's own functions where ``self.clip_gradients`` was: ``clip_grad_norm_`` over the
+    discriminator's parameters, ``clip_grad_value_`` over the generator's (the generator's loss also wrote the
+    discriminator's gradients: the discriminator's clip sees them)."""
+
+    def clipped_step(self, opt) -> None:
+        if self.clip:
+            g_opt, _ = self.optimizers()
+            if opt is g_opt:
+                torch.nn.utils.clip_grad_value_(self.gen.parameters(), CLIP / 10)
+            else:
+                torch.nn.utils.clip_grad_norm_(self.disc.parameters(), CLIP)
+        opt.step()
+
+
+class TorchClipHook(GPTTied):
+    """Automatic optimization clipped in ``on_before_optimizer_step`` with ``torch.nn.utils.clip_grad_norm_`` over
+    ``self.parameters()`` (instead of the Trainer's ``gradient_clip_val``: ``own_clipping``)."""
+
+    own_clipping = True
+
+    def on_before_optimizer_step(self, optimizer):
+        if self.clip:
+            torch.nn.utils.clip_grad_norm_(self.parameters(), CLIP)
+
+
 CLASSES = {"gpt_tied": GPTTied, "gan": GAN, "gan_toggle": GANToggle, "shared_loss": SharedLoss, "wgan_gp": WGANGP,
            "lora": LoRA, "backbone_ft": BackboneFT, "add_group": AddGroup, "moe": MoE,
            "multi_backward": MultiBackward, "schedulers": Schedulers, "hf_gpt2": HFGPT2, "batchnorm": BatchNorm,
            "grads_across_steps": GradsAcrossSteps, "custom_zero_grad": CustomZeroGrad, "weight_clip": WeightClip,
-           "adagrad": AdagradGPT, "rmsprop": RMSpropGPT}
+           "adagrad": AdagradGPT, "rmsprop": RMSpropGPT, "torch_clip_gan": TorchClipGAN,
+           "torch_clip_hook": TorchClipHook}
 assert set(CLASSES) == set(PATTERNS)
 
 

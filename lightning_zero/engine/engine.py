@@ -43,6 +43,7 @@ from .offload import Offloader
 from .optim import Routes, check_optimizer, pieces_in_groups, unwrap
 from .readiness import ForwardOrder
 from .speculation_trial import WINDOWS, SpeculationTrial, host_copy_seconds_per_byte, pays
+from .torch_clip import install as install_torch_clip
 
 __all__ = ["ZeroEngine", "dtype_of"]
 
@@ -133,6 +134,7 @@ class ZeroEngine:
         self._guards = install_state_dict_guard(module, self.units) if config.shard_params else []
         self._guards += install_load_into_masters(module, self.units)
         _live.add(self)
+        install_torch_clip()  # torch's clip_grad_norm_ over this engine's parameters clips their shards
 
     @staticmethod
     def owning(param: torch.Tensor) -> Optional[ZeroEngine]:
@@ -526,26 +528,38 @@ class ZeroEngine:
             return host_norms(grads, ord)
         return torch._foreach_norm(grads, ord)
 
+    def grads_of(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
+        """This rank's fp32 gradient pieces of those of ``params`` this engine holds (closes the window first)."""
+        self.finish_grads()
+        pieces = (self.piece_of(p) for p in params if id(p) in self._slot)
+        return [p.grad for p in pieces if p is not None and p.grad is not None]
+
     @torch.no_grad()
-    def grad_norm(self, optimizer: torch.optim.Optimizer, norm_type: float = 2.0) -> torch.Tensor:
-        """Global gradient norm of ``optimizer``'s parameters over every rank's pieces."""
+    def grad_norm(self, optimizer: Optional[torch.optim.Optimizer], norm_type: float = 2.0,
+                  grads: Optional[list[torch.Tensor]] = None) -> torch.Tensor:
+        """Global gradient norm of ``optimizer``'s parameters (or of ``grads``, pieces) over every rank's pieces."""
         local = torch.zeros((), device=self.device)
-        for grads in _by_device(self.grads(optimizer)).values():
+        for on_device in _by_device(self.grads(optimizer) if grads is None else grads).values():
             if norm_type == math.inf:
-                part = torch.stack([g.abs().max() for g in grads if g.numel()] or [torch.zeros((), device=grads[0].device)]).max()
+                part = torch.stack([g.abs().max() for g in on_device if g.numel()]
+                                   or [torch.zeros((), device=on_device[0].device)]).max()
                 local = torch.maximum(local, part.float().to(self.device))
             else:
-                local = local + torch.stack(self._norms(grads, norm_type)).pow(norm_type).sum().float().to(self.device)
+                local = local + torch.stack(self._norms(on_device, norm_type)).pow(norm_type).sum().float().to(self.device)
         if norm_type == math.inf:
             return self.comm.all_reduce(local.float().reshape(1), op="max")[0]
         return self.comm.all_reduce(local.float().reshape(1), op="sum")[0].pow(1.0 / norm_type)
 
     @torch.no_grad()
-    def clip_grad_norm_(self, optimizer: torch.optim.Optimizer, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Like ``torch.nn.utils.clip_grad_norm_`` over the optimizer's parameters, across shards."""
-        total = self.grad_norm(optimizer, norm_type)
+    def clip_grad_norm_(self, optimizer: Optional[torch.optim.Optimizer], max_norm: float, norm_type: float = 2.0,
+                        grads: Optional[list[torch.Tensor]] = None,
+                        total: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Like ``torch.nn.utils.clip_grad_norm_`` over the optimizer's parameters (or ``grads``, pieces), across
+        shards; ``total``: the norm to clip by, when it spans more than these (see torch_clip.py)."""
+        grads = self.grads(optimizer) if grads is None else grads
+        total = self.grad_norm(None, norm_type, grads) if total is None else total
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        groups = _by_device(self.grads(optimizer))
+        groups = _by_device(grads)
         on_host = self.device.type != "cpu" and any(device.type == "cpu" for device in groups)
         if (self._speculating() or on_host) and coef.item() == 1.0:
             # multiplying by one changes no value: the early steps stand, and the offloaded gradients are not
@@ -558,8 +572,9 @@ class ZeroEngine:
         return total
 
     @torch.no_grad()
-    def clip_grad_value_(self, optimizer: torch.optim.Optimizer, clip_value: float) -> None:
-        grads = self.grads(optimizer)
+    def clip_grad_value_(self, optimizer: Optional[torch.optim.Optimizer], clip_value: float,
+                         grads: Optional[list[torch.Tensor]] = None) -> None:
+        grads = self.grads(optimizer) if grads is None else grads
         if self._speculating():  # undo the early steps of the units whose gradients the clamp changes
             self.offloader.reject_speculation([u for u in self.offloader.speculated()
                                                if bool(u.grad_shard.abs().amax() > clip_value)])
