@@ -13,14 +13,18 @@ __all__ = ["absorb_edits"]
 
 
 @torch.no_grad()
-def absorb_edits(units: Sequence[FlatUnit], comparable: Callable[[FlatUnit], bool]) -> None:
+def absorb_edits(units: Sequence[FlatUnit], comparable: Callable[[FlatUnit], bool],
+                 marked: Callable[[FlatUnit], bool] = lambda unit: False) -> None:
     """Every unit's placeholders are checked; the ``comparable`` ones compare their published values with their
-    master chunk by chunk, with one host sync for all flags, and take the changed chunks."""
+    master chunk by chunk, the ``marked`` ones (masters on the host) with the fingerprints taken at their publish,
+    with one host sync for all flags, and take the changed chunks."""
     chunks = []
     for unit in units:
         unit.check_placeholders()
         if comparable(unit):
             chunks += [(unit, lo, hi, flag) for lo, hi, flag in unit.edit_flags()]
+        elif marked(unit):
+            chunks += [(unit, lo, hi, flag) for lo, hi, flag in unit.marked_edit_flags()]
     if not chunks:
         return
     changed = torch.stack([flag for _, _, _, flag in chunks]).tolist()
@@ -31,3 +35,5 @@ def absorb_edits(units: Sequence[FlatUnit], comparable: Callable[[FlatUnit], boo
             touched[unit.index] = unit
     for unit in touched.values():
         unit.refresh_param_shard()  # stage 3 with offload gathers from this compute-dtype copy
+        if marked(unit):
+            unit.mark_published()  # what it publishes now includes the edit

@@ -246,8 +246,10 @@ class ZeroEngine:
     def before_training_forward(self) -> None:
         """DDP's buffer rule: rank 0's buffers go to every rank before a forward that follows a forward
         which synchronized gradients (the first micro-batch of each accumulation window)."""
-        if self.gatherer is not None:  # stage 3 gathers from the masters next: edits made since must be there
-            self.absorb_edits(offloaded_too=False)
+        if self.gatherer is not None or self._edits_reachable_on_host:
+            # stage 3 gathers from the masters next, and an offloaded master may step on the host during the coming
+            # backward: edits made since the last forward (a WGAN's clamp) must be there first
+            self.absorb_edits(offloaded_too=False, marked=True)
         if self.config.broadcast_buffers and self._sync_buffers_next:
             self.broadcast_buffers()
         self._sync_buffers_next = torch.is_grad_enabled() and self.last_micro_batch
@@ -633,6 +635,7 @@ class ZeroEngine:
         # stepping (with this rank's pieces in the groups) on its thread
         stepped = self._units_with_grads(optimizer)
         self.republish([u for u in stepped if u.index not in published], fresh=frozenset(early - published))
+        self._mark_published_on_host()
         if self.free_grads_at_step:
             self._drop_grads(self.slots_of(optimizer))
         self._end_trial_step()
@@ -643,17 +646,34 @@ class ZeroEngine:
         device. Before reading or writing the fp32 state (checkpoints), evaluation and the end of fit. First,
         edits a user made to the parameters since they were published go into the masters (``in_step``: not the
         offloaded ones, which the host may be stepping)."""
-        self.absorb_edits(offloaded_too=not in_step)
+        # in the step an offloaded master may have been stepped during backward already: only through the fingerprints
+        # and only when no worker steps during backward
+        self.absorb_edits(offloaded_too=not in_step,
+                          marked=in_step and self.offloader is not None and self.offloader.overlap is None)
         if self.offloader is not None:
             self.offloader.settle(self.republish if publish else None)
 
-    def absorb_edits(self, offloaded_too: bool = True) -> None:
-        """A user's in-place edits of the parameters go into the fp32 masters (:mod:`.edits`). Offloaded masters only
-        with ``offloaded_too`` (outside the step, where the host may be stepping them), never NVMe's (in files) nor
-        under delayed_step (its host master runs a step ahead of the device values by design)."""
+    def absorb_edits(self, offloaded_too: bool = True, marked: bool = False) -> None:
+        """A user's in-place edits of the parameters go into the fp32 masters (:mod:`.edits`). Offloaded masters
+        with ``offloaded_too`` (outside the step, where the host may be stepping them) compared whole, with
+        ``marked`` (before each training forward) through the fingerprints of their last publish; never NVMe's
+        (in files) nor under delayed_step (its host master runs a step ahead of the device values by design)."""
         host = self.offloader.indices if self.offloader is not None else ()
-        reachable = offloaded_too and self.config.offload_optimizer != "nvme" and not self.config.delayed_step
-        absorb_edits(self.units, lambda unit: unit.index not in host or reachable)
+        reachable = self._edits_reachable_on_host
+        absorb_edits(self.units, lambda unit: unit.index not in host or (offloaded_too and reachable),
+                     lambda unit: marked and reachable and unit.index in host)
+
+    @property
+    def _edits_reachable_on_host(self) -> bool:
+        return self.offloader is not None and self.config.offload_optimizer != "nvme" and not self.config.delayed_step
+
+    def _mark_published_on_host(self) -> None:
+        """After a step: fingerprints of what the offloaded units published, checked before the next training
+        forward (:meth:`before_training_forward`) and, when the host did not step during backward, at the step."""
+        if self._edits_reachable_on_host:
+            for unit in self.units:
+                if unit.index in self.offloader.indices:
+                    unit.mark_published()
 
     def grad_norms(self, norm_type: float) -> dict[str, torch.Tensor]:
         """Each parameter's gradient p-norm over every rank's piece, by name, for the parameters that hold a

@@ -88,6 +88,7 @@ class FlatUnit:
     # the host step's worker publishes into ``full`` while the main thread may free it (stage 3, after the unit's
     # backward): the two take turns
     full_lock: threading.Lock = field(default_factory=threading.Lock)
+    published_marks: Optional[torch.Tensor] = None  # offloaded unit: fingerprints of its published chunk (edit_marks)
 
     def __repr__(self) -> str:
         # not the dataclass's: printing a tensor whose storage stage 3 gave back reads freed memory (a traceback
@@ -274,6 +275,38 @@ class FlatUnit:
             master = self.master[lo:hi].to(own.device)  # an offloaded master: compared on the device
             flags.append((lo, hi, (own[lo:hi] != master.to(own.dtype)).any()))
         return flags
+
+    @torch.no_grad()
+    def edit_marks(self) -> Optional[torch.Tensor]:
+        """Per chunk of this rank's published values, two fingerprints of their bit patterns (the sum and the sum of
+        squares, as integers, on the device): a unit whose master is on the host compares these with the ones taken
+        when it was published, instead of copying its master to the device at every step. None when not gathered."""
+        if self.state is not UnitState.UNSHARDED or self.full is None or not self.storage_alive:
+            return None
+        own = self.full[self.shard_slice]
+        bits = own.view(torch.int16 if own.element_size() == 2 else torch.int32)
+        wide = torch.int32 if own.element_size() == 2 else torch.int64  # squares that fit (or wrap: still a hash)
+        marks = []
+        for lo in range(0, bits.numel(), EDIT_CHUNK):
+            chunk = bits[lo:lo + EDIT_CHUNK].to(wide)
+            marks.append(torch.stack([chunk.sum(dtype=torch.int64), chunk.square_().sum(dtype=torch.int64)]))
+        return torch.stack(marks) if marks else None
+
+    def mark_published(self) -> None:
+        self.published_marks = self.edit_marks()
+
+    def marked_edit_flags(self) -> list[tuple[int, int, torch.Tensor]]:
+        """:meth:`edit_flags` from the fingerprints: chunks whose published values changed since
+        :meth:`mark_published` (each then compared with the master in :meth:`take_edits`). Unmarked: every chunk."""
+        now = self.edit_marks()
+        if now is None:
+            return []
+        n = self.layout.shard_numel
+        chunks = [(lo, min(lo + EDIT_CHUNK, n)) for lo in range(0, n, EDIT_CHUNK)]
+        if self.published_marks is None or self.published_marks.shape != now.shape:
+            return [(lo, hi, torch.ones((), dtype=torch.bool, device=now.device)) for lo, hi in chunks]
+        changed = (now != self.published_marks).any(dim=1)
+        return [(lo, hi, changed[i]) for i, (lo, hi) in enumerate(chunks)]
 
     @torch.no_grad()
     def take_edits(self, lo: int, hi: int) -> None:
