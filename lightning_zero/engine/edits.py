@@ -3,13 +3,13 @@ published values] in :mod:`lightning_zero.engine.flat_unit`)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 import torch
 
 from .flat_unit import FlatUnit
 
-__all__ = ["absorb_edits"]
+__all__ = ["absorb_edits", "EditWatch"]
 
 
 @torch.no_grad()
@@ -37,3 +37,28 @@ def absorb_edits(units: Sequence[FlatUnit], comparable: Callable[[FlatUnit], boo
         unit.refresh_param_shard()  # stage 3 with offload gathers from this compute-dtype copy
         if marked(unit):
             unit.mark_published()  # what it publishes now includes the edit
+
+
+class EditWatch:
+    """Where the engine looks for edits. Units with a device master: compared whole, anywhere. Units whose master is
+    offloaded to the CPU (``host()``: their indices; ``reachable()``: not NVMe files, not delayed_step, whose host
+    master runs a step ahead by design): compared whole outside the step (the host may be stepping them inside it),
+    through the fingerprints of their last publish before each training forward and at a step whose host work did
+    not start during backward."""
+
+    def __init__(self, units: Sequence[FlatUnit], host: Callable[[], Collection[int]],
+                 reachable: Callable[[], bool]) -> None:
+        self.units, self.host, self.reachable = units, host, reachable
+
+    def absorb(self, offloaded_too: bool = True, marked: bool = False) -> None:
+        host, reachable = self.host(), self.reachable()
+        absorb_edits(self.units, lambda unit: unit.index not in host or (offloaded_too and reachable),
+                     lambda unit: marked and reachable and unit.index in host)
+
+    def mark_published(self) -> None:
+        """After a step: the fingerprints of what the offloaded units published."""
+        if self.reachable():
+            host = self.host()
+            for unit in self.units:
+                if unit.index in host:
+                    unit.mark_published()

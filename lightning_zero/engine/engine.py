@@ -16,7 +16,6 @@ parameter shard between uses (see :mod:`lightning_zero.engine.gather`).
 from __future__ import annotations
 
 import logging
-import math
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -30,15 +29,14 @@ from ..collectives import Comm
 from ..config import DTYPE_NAMES, ZeroConfig
 from ..partition import layout_unit, plan_buckets
 from .activation import apply_activation_checkpointing
-from .edits import absorb_edits
+from .edits import EditWatch
 from .flat_unit import FlatUnit, UnitState
 from .gather import Gatherer
 from .grads import GradientReducer, ReducePolicy
 from .groups import build_needs, group_lookup, group_modules, members_of, owner_of
 from .guard import install_load_into_masters, install_state_dict_guard, note_placeholder_use
-from .host import host_norms
 from .materialize import RngState, check_no_meta_left, has_meta, materialize_module, model_initializers
-from .norms import grad_norms
+from .norms import any_nonfinite, by_device, global_norm, grad_norms
 from .offload import Offloader
 from .optim import Routes, check_optimizer, pieces_in_groups, unwrap
 from .readiness import ForwardOrder
@@ -53,14 +51,6 @@ log = logging.getLogger(__name__)
 
 def dtype_of(name: Optional[str], default: torch.dtype) -> torch.dtype:
     return default if name is None else getattr(torch, DTYPE_NAMES[name])
-
-
-def _by_device(tensors: Iterable[torch.Tensor]) -> dict[torch.device, list[torch.Tensor]]:
-    """Tensors grouped by device: foreach kernels take one device at a time (offloaded gradients are on the host)."""
-    out: dict[torch.device, list[torch.Tensor]] = {}
-    for t in tensors:
-        out.setdefault(t.device, []).append(t)
-    return out
 
 
 class ZeroEngine:
@@ -131,6 +121,8 @@ class ZeroEngine:
         self.route_wrappers(wrappers)
         self.routes.route_module(module, self.zero_all_grads)
         self._sync_buffers_next = True  # see before_training_forward
+        self.edit_watch = EditWatch(self.units, lambda: self.offloader.indices if self.offloader is not None else (),
+                                    self._host_edits_reachable)
         self._guards = install_state_dict_guard(module, self.units) if config.shard_params else []
         self._guards += install_load_into_masters(module, self.units)
         _live.add(self)
@@ -246,7 +238,7 @@ class ZeroEngine:
     def before_training_forward(self) -> None:
         """DDP's buffer rule: rank 0's buffers go to every rank before a forward that follows a forward
         which synchronized gradients (the first micro-batch of each accumulation window)."""
-        if self.gatherer is not None or self._edits_reachable_on_host:
+        if self.gatherer is not None or self._host_edits_reachable():
             # stage 3 gathers from the masters next, and an offloaded master may step on the host during the coming
             # backward: edits made since the last forward (a WGAN's clamp) must be there first
             self.absorb_edits(offloaded_too=False, marked=True)
@@ -516,19 +508,7 @@ class ZeroEngine:
     @torch.no_grad()
     def grads_nonfinite(self, optimizer: torch.optim.Optimizer) -> bool:
         """True if any rank holds an inf/nan gradient of ``optimizer``'s parameters (one all-reduce)."""
-        found = torch.zeros(1, dtype=torch.float32, device=self.device)
-        for grads in _by_device(self.grads(optimizer)).values():  # offloaded gradients are on the host
-            sums = torch.stack(self._norms(grads, 1.0)).sum()  # inf/nan anywhere makes it non-finite
-            if not torch.isfinite(sums):
-                found.fill_(1.0)
-        return bool(self.comm.all_reduce(found, op="max").item() > 0)
-
-    def _norms(self, grads: list[torch.Tensor], ord: float) -> list[torch.Tensor]:
-        """Per-tensor norms of gradients on one device: offloaded (host) gradients of a GPU run row by row on every
-        host thread (see host_norms); elsewhere torch's foreach kernel (what torch's clip_grad_norm_ does)."""
-        if grads[0].device.type == "cpu" and self.device.type != "cpu":
-            return host_norms(grads, ord)
-        return torch._foreach_norm(grads, ord)
+        return any_nonfinite(self.grads(optimizer), self.device, self.comm)
 
     def grads_of(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
         """This rank's fp32 gradient pieces of those of ``params`` this engine holds (closes the window first)."""
@@ -540,17 +520,7 @@ class ZeroEngine:
     def grad_norm(self, optimizer: Optional[torch.optim.Optimizer], norm_type: float = 2.0,
                   grads: Optional[list[torch.Tensor]] = None) -> torch.Tensor:
         """Global gradient norm of ``optimizer``'s parameters (or of ``grads``, pieces) over every rank's pieces."""
-        local = torch.zeros((), device=self.device)
-        for on_device in _by_device(self.grads(optimizer) if grads is None else grads).values():
-            if norm_type == math.inf:
-                part = torch.stack([g.abs().max() for g in on_device if g.numel()]
-                                   or [torch.zeros((), device=on_device[0].device)]).max()
-                local = torch.maximum(local, part.float().to(self.device))
-            else:
-                local = local + torch.stack(self._norms(on_device, norm_type)).pow(norm_type).sum().float().to(self.device)
-        if norm_type == math.inf:
-            return self.comm.all_reduce(local.float().reshape(1), op="max")[0]
-        return self.comm.all_reduce(local.float().reshape(1), op="sum")[0].pow(1.0 / norm_type)
+        return global_norm(self.grads(optimizer) if grads is None else grads, norm_type, self.device, self.comm)
 
     @torch.no_grad()
     def clip_grad_norm_(self, optimizer: Optional[torch.optim.Optimizer], max_norm: float, norm_type: float = 2.0,
@@ -561,7 +531,7 @@ class ZeroEngine:
         grads = self.grads(optimizer) if grads is None else grads
         total = self.grad_norm(None, norm_type, grads) if total is None else total
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        groups = _by_device(grads)
+        groups = by_device(grads)
         on_host = self.device.type != "cpu" and any(device.type == "cpu" for device in groups)
         if (self._speculating() or on_host) and coef.item() == 1.0:
             # multiplying by one changes no value: the early steps stand, and the offloaded gradients are not
@@ -635,7 +605,7 @@ class ZeroEngine:
         # stepping (with this rank's pieces in the groups) on its thread
         stepped = self._units_with_grads(optimizer)
         self.republish([u for u in stepped if u.index not in published], fresh=frozenset(early - published))
-        self._mark_published_on_host()
+        self.edit_watch.mark_published()
         if self.free_grads_at_step:
             self._drop_grads(self.slots_of(optimizer))
         self._end_trial_step()
@@ -654,26 +624,11 @@ class ZeroEngine:
             self.offloader.settle(self.republish if publish else None)
 
     def absorb_edits(self, offloaded_too: bool = True, marked: bool = False) -> None:
-        """A user's in-place edits of the parameters go into the fp32 masters (:mod:`.edits`). Offloaded masters
-        with ``offloaded_too`` (outside the step, where the host may be stepping them) compared whole, with
-        ``marked`` (before each training forward) through the fingerprints of their last publish; never NVMe's
-        (in files) nor under delayed_step (its host master runs a step ahead of the device values by design)."""
-        host = self.offloader.indices if self.offloader is not None else ()
-        reachable = self._edits_reachable_on_host
-        absorb_edits(self.units, lambda unit: unit.index not in host or (offloaded_too and reachable),
-                     lambda unit: marked and reachable and unit.index in host)
+        """A user's in-place edits of the parameters go into the fp32 masters (:class:`.edits.EditWatch`)."""
+        self.edit_watch.absorb(offloaded_too, marked)
 
-    @property
-    def _edits_reachable_on_host(self) -> bool:
+    def _host_edits_reachable(self) -> bool:
         return self.offloader is not None and self.config.offload_optimizer != "nvme" and not self.config.delayed_step
-
-    def _mark_published_on_host(self) -> None:
-        """After a step: fingerprints of what the offloaded units published, checked before the next training
-        forward (:meth:`before_training_forward`) and, when the host did not step during backward, at the step."""
-        if self._edits_reachable_on_host:
-            for unit in self.units:
-                if unit.index in self.offloader.indices:
-                    unit.mark_published()
 
     def grad_norms(self, norm_type: float) -> dict[str, torch.Tensor]:
         """Each parameter's gradient p-norm over every rank's piece, by name, for the parameters that hold a
