@@ -251,3 +251,41 @@ def planner_case(rank: int, world: int, runs: dict) -> dict:
         trainer.fit(module, data)
         out[name] = probe.seen
     return out
+
+
+class OneUlpEdit(pl.LightningModule):
+    """lr 0: only the user's edits move the weights. After step 2 one element moves by one unit in the last place,
+    after step 3 a whole row is negated. Without the check before each forward, the next step would publish the
+    unedited master over both."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1))
+        self.expected: torch.Tensor | None = None
+
+    def training_step(self, batch, _):
+        return self.net(batch[0]).pow(2).mean()
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        weight = self.net[0].weight
+        with torch.no_grad():
+            if batch_idx == 1:
+                weight.data.view(-1)[37] = torch.nextafter(weight.data.view(-1)[37], torch.tensor(9.0))
+            if batch_idx == 2:
+                weight.data[3].neg_()
+        if batch_idx in (1, 2):
+            self.expected = weight.detach().float().cpu().clone()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+def edit_case(rank: int, world: int) -> dict:
+    pl.seed_everything(0, verbose=False)
+    module = OneUlpEdit()
+    data = DataLoader(TensorDataset(torch.randn(32, 8)), batch_size=4)
+    trainer = pl.Trainer(accelerator="cpu", devices=world, max_steps=4, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False,
+                         strategy=ZeroStrategy(config=ZeroConfig(stage=2, offload_optimizer="cpu")))
+    trainer.fit(module, data)
+    return {"expected": module.expected, "final": trainer.strategy.full_state_dict(rank0_only=False)["net.0.weight"]}

@@ -278,18 +278,20 @@ class FlatUnit:
 
     @torch.no_grad()
     def edit_marks(self) -> Optional[torch.Tensor]:
-        """Per chunk of this rank's published values, two fingerprints of their bit patterns (the sum and the sum of
-        squares, as integers, on the device): a unit whose master is on the host compares these with the ones taken
-        when it was published, instead of copying its master to the device at every step. None when not gathered."""
+        """Per chunk of this rank's published values, two fingerprints on the device: the exact integer sum of their
+        bit patterns (any one changed element changes it) and their fp32 norm (which moves under most changes that
+        keep that sum; an edit that only permutes values keeps both). A unit whose master is on the host compares
+        these with the ones taken when it was published instead of copying its master to the device at every step;
+        each reads the values once, with no temporaries. None when not gathered."""
         if self.state is not UnitState.UNSHARDED or self.full is None or not self.storage_alive:
             return None
         own = self.full[self.shard_slice]
         bits = own.view(torch.int16 if own.element_size() == 2 else torch.int32)
-        wide = torch.int32 if own.element_size() == 2 else torch.int64  # squares that fit (or wrap: still a hash)
         marks = []
-        for lo in range(0, bits.numel(), EDIT_CHUNK):
-            chunk = bits[lo:lo + EDIT_CHUNK].to(wide)
-            marks.append(torch.stack([chunk.sum(dtype=torch.int64), chunk.square_().sum(dtype=torch.int64)]))
+        for lo in range(0, own.numel(), EDIT_CHUNK):
+            values = own[lo:lo + EDIT_CHUNK]
+            norm = torch.linalg.vector_norm(values, dtype=torch.float32)
+            marks.append(torch.stack([bits[lo:lo + EDIT_CHUNK].sum(dtype=torch.int64), norm.view(torch.int32).long()]))
         return torch.stack(marks) if marks else None
 
     def mark_published(self) -> None:
