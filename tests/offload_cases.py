@@ -289,3 +289,46 @@ def edit_case(rank: int, world: int) -> dict:
                          strategy=ZeroStrategy(config=ZeroConfig(stage=2, offload_optimizer="cpu")))
     trainer.fit(module, data)
     return {"expected": module.expected, "final": trainer.strategy.full_state_dict(rank0_only=False)["net.0.weight"]}
+
+
+class EditBeforeForward(pl.LightningModule):
+    """A WGAN critic clamping its weights in training_step, before its forward (or in on_before_zero_grad, which runs
+    between that forward and backward): under offload the host steps the master during the backward that follows."""
+
+    def __init__(self, where: str) -> None:
+        super().__init__()
+        self.where = where
+        self.net = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1))
+        self.losses: list[float] = []
+
+    def _clamp(self) -> None:
+        for p in self.net.parameters():
+            p.data.clamp_(-0.15, 0.15)
+
+    def training_step(self, batch, _):
+        if self.where == "training_step":
+            self._clamp()
+        loss = self.net(batch[0]).pow(2).mean()
+        self.losses.append(float(loss))
+        return loss
+
+    def on_before_zero_grad(self, optimizer):
+        if self.where == "on_before_zero_grad":
+            self._clamp()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+
+def edit_before_forward_case(rank: int, world: int, strategy: str, where: str) -> dict:
+    pl.seed_everything(0, verbose=False)
+    module = EditBeforeForward(where)
+    data = DataLoader(TensorDataset(torch.randn(48, 8)), batch_size=4)
+    chosen = ZeroStrategy(config=ZeroConfig(stage=2, offload_optimizer="cpu")) if strategy == "zero2_offload" else strategy
+    trainer = pl.Trainer(accelerator="cpu", devices=world, max_epochs=1, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, strategy=chosen)
+    trainer.fit(module, data)
+    state = (trainer.strategy.full_state_dict(rank0_only=False) if strategy != "ddp" else module.state_dict())
+    engine = getattr(trainer.strategy, "_parked", None) or getattr(trainer.strategy, "engine", None)
+    return {"losses": module.losses, "state": {k: v.float().clone() for k, v in state.items()},
+            "stepped_in_backward": engine.offloader.stepped_in_backward if engine is not None else 0}

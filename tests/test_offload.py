@@ -7,7 +7,15 @@ import os
 import pytest
 import torch
 from dist_utils import run_ranks
-from offload_cases import edit_case, planner_case, rss_case, run_checkpoints, run_parity, slow_publish_case
+from offload_cases import (
+    edit_before_forward_case,
+    edit_case,
+    planner_case,
+    rss_case,
+    run_checkpoints,
+    run_parity,
+    slow_publish_case,
+)
 from parity import assert_parity, global_l2_err, rel_err, state_err
 from test_checkpoint import assert_resumed_like
 
@@ -330,3 +338,14 @@ def test_an_edit_of_one_element_by_one_ulp_reaches_the_offloaded_master():
     # row negated, both reach the fp32 master (lr 0: nothing else moves it)
     for rank in run_ranks(edit_case, 2, lightning=True):
         assert torch.equal(rank["final"], rank["expected"])
+
+
+@pytest.mark.parametrize("where", ["training_step", "on_before_zero_grad"])
+def test_an_edit_made_before_backward_reaches_the_master_the_host_steps(where):
+    # the host steps offloaded units during backward: an edit made in training_step or on_before_zero_grad (after the
+    # forward began) must be in the master by then, as under DDP where the parameters are the master
+    reference = run_ranks(edit_before_forward_case, 2, "ddp", where, lightning=True)
+    mine = run_ranks(edit_before_forward_case, 2, "zero2_offload", where, lightning=True)
+    for ref, got in zip(reference, mine):
+        assert got["stepped_in_backward"] > 0  # the host did step during backward
+        assert_parity(got, ref)

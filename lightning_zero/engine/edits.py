@@ -41,24 +41,21 @@ def absorb_edits(units: Sequence[FlatUnit], comparable: Callable[[FlatUnit], boo
 
 class EditWatch:
     """Where the engine looks for edits. Units with a device master: compared whole, anywhere. Units whose master is
-    offloaded to the CPU (``host()``: their indices; ``reachable()``: not NVMe files, not delayed_step, whose host
-    master runs a step ahead by design): compared whole outside the step (the host may be stepping them inside it),
-    through the fingerprints of their last publish before each training forward and at a step whose host work did
-    not start during backward."""
+    offloaded to the CPU (``host``: their indices; ``reachable``: not NVMe files, not delayed_step, whose host master
+    runs a step ahead by design): compared whole outside the step (the host may be stepping them inside it), through
+    the fingerprints of their last publish before backward and at a step whose host work did not start during
+    backward. Holds the units only (the engine passes the rest: no reference back to it)."""
 
-    def __init__(self, units: Sequence[FlatUnit], host: Callable[[], Collection[int]],
-                 reachable: Callable[[], bool]) -> None:
-        self.units, self.host, self.reachable = units, host, reachable
+    def __init__(self, units: Sequence[FlatUnit]) -> None:
+        self.units = units
 
-    def absorb(self, offloaded_too: bool = True, marked: bool = False) -> None:
-        host, reachable = self.host(), self.reachable()
+    def absorb(self, host: Collection[int], reachable: bool, offloaded_too: bool = True, marked: bool = False) -> None:
         absorb_edits(self.units, lambda unit: unit.index not in host or (offloaded_too and reachable),
                      lambda unit: marked and reachable and unit.index in host)
 
-    def mark_published(self) -> None:
+    def mark_published(self, host: Collection[int], reachable: bool) -> None:
         """After a step: the fingerprints of what the offloaded units published."""
-        if self.reachable():
-            host = self.host()
+        if reachable:
             for unit in self.units:
                 if unit.index in host:
                     unit.mark_published()

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, Optional
 
@@ -121,8 +121,7 @@ class ZeroEngine:
         self.route_wrappers(wrappers)
         self.routes.route_module(module, self.zero_all_grads)
         self._sync_buffers_next = True  # see before_training_forward
-        self.edit_watch = EditWatch(self.units, lambda: self.offloader.indices if self.offloader is not None else (),
-                                    self._host_edits_reachable)
+        self.edit_watch = EditWatch(self.units)
         self._guards = install_state_dict_guard(module, self.units) if config.shard_params else []
         self._guards += install_load_into_masters(module, self.units)
         _live.add(self)
@@ -238,9 +237,7 @@ class ZeroEngine:
     def before_training_forward(self) -> None:
         """DDP's buffer rule: rank 0's buffers go to every rank before a forward that follows a forward
         which synchronized gradients (the first micro-batch of each accumulation window)."""
-        if self.gatherer is not None or self._host_edits_reachable():
-            # stage 3 gathers from the masters next, and an offloaded master may step on the host during the coming
-            # backward: edits made since the last forward (a WGAN's clamp) must be there first
+        if self.gatherer is not None:  # stage 3 gathers from the masters next: edits made since must be there
             self.absorb_edits(offloaded_too=False, marked=True)
         if self.config.broadcast_buffers and self._sync_buffers_next:
             self.broadcast_buffers()
@@ -426,6 +423,10 @@ class ZeroEngine:
     # ---- backward -------------------------------------------------------------------------------
     def begin_backward(self, loss: torch.Tensor) -> None:
         """Call before ``loss.backward()``: the reducer reads which gradients will arrive off the graph."""
+        if self._host_edits_reachable():
+            # an offloaded master may step on the host during this backward: edits made since the last step (a WGAN's
+            # clamp, in training_step or after the previous step) must be in it first
+            self.absorb_edits(offloaded_too=False, marked=True)
         self.reducer.begin_backward([loss])
         if self._trial is not None:
             self._trial.backward_started()
@@ -605,7 +606,7 @@ class ZeroEngine:
         # stepping (with this rank's pieces in the groups) on its thread
         stepped = self._units_with_grads(optimizer)
         self.republish([u for u in stepped if u.index not in published], fresh=frozenset(early - published))
-        self.edit_watch.mark_published()
+        self.edit_watch.mark_published(self._host_indices(), self._host_edits_reachable())
         if self.free_grads_at_step:
             self._drop_grads(self.slots_of(optimizer))
         self._end_trial_step()
@@ -625,7 +626,10 @@ class ZeroEngine:
 
     def absorb_edits(self, offloaded_too: bool = True, marked: bool = False) -> None:
         """A user's in-place edits of the parameters go into the fp32 masters (:class:`.edits.EditWatch`)."""
-        self.edit_watch.absorb(offloaded_too, marked)
+        self.edit_watch.absorb(self._host_indices(), self._host_edits_reachable(), offloaded_too, marked)
+
+    def _host_indices(self) -> Collection[int]:
+        return self.offloader.indices if self.offloader is not None else ()
 
     def _host_edits_reachable(self) -> bool:
         return self.offloader is not None and self.config.offload_optimizer != "nvme" and not self.config.delayed_step
