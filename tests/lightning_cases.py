@@ -163,11 +163,12 @@ def fit_case(rank: int, world: int, module_name: str, strategy: str, precision: 
     """Fit one module under one strategy; returns losses, final full state dict and extras."""
     assert lightning_zero  # registers the names
     pl.seed_everything(0, verbose=False)
-    module = {"lm": TinyLM, "blocks": BlockLM, "blocks_reentrant": ReentrantBlockLM, "gan": TinyGAN, "bn": BNNet, "encode": EncodeOnly,
+    module = {"lm": TinyLM, "blocks": BlockLM, "blocks_reentrant": ReentrantBlockLM,
+              "blocks_inout": InOutBlockLM, "blocks_inout_plain": InOutBlockLMNonReentrant, "gan": TinyGAN, "bn": BNNet, "encode": EncodeOnly,
               "rank_expert": RankExpertLM}[module_name]()
     if inject:
         module.inject_inf_at = set(inject)
-    lm = module_name in ("lm", "blocks", "blocks_reentrant", "rank_expert")
+    lm = module_name.startswith("blocks") or module_name in ("lm", "rank_expert")
     data = lm_data() if lm else gan_data()
     plugins = [ZeroPrecision(plugin)] if plugin else None
     trainer = pl.Trainer(accelerator=accelerator, devices=world, strategy=make_strategy(strategy, **(options or {})),
@@ -261,6 +262,28 @@ class ReentrantBlockLM(BlockLM):
         x = self.shared(torch.tanh(self.shared(x)))
         logits = self.head(self.norm(self.frozen(x)))
         return logits + 0.0 * self.head.weight.sum()
+
+
+class InOutBlockLM(BlockLM):
+    """A block used both outside and inside a reentrant checkpoint: its gradient comes in two parts, the second after
+    the nested backward of the first has already completed the block's units."""
+
+    reentrant = True
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.blocks[0](self.emb(idx))
+        x = torch.utils.checkpoint.checkpoint(lambda z: self.blocks[0](self.blocks[1](z)), x,
+                                              use_reentrant=self.reentrant)
+        x = self.blocks[2](x)
+        logits = self.head(self.norm(self.frozen(self.shared(x))))
+        return logits
+
+
+class InOutBlockLMNonReentrant(InOutBlockLM):
+    """The same training with torch's non-reentrant checkpoint: DDP's reference (its reducer refuses a parameter
+    that gets a gradient twice in one reentrant backward)."""
+
+    reentrant = False
 
 
 class MetaLM(pl.LightningModule):

@@ -56,13 +56,15 @@ class OverlapWorker:
         self.queued_numel = 0
         self.futures: list[Future] = []
         self.stepped: set[int] = set()
+        self.barred: set[int] = set()  # units with a late gradient this window: left to the regular step
 
     @property
     def speculative(self) -> bool:
         return self.backups is not None
 
     def accepts(self, unit: FlatUnit) -> bool:
-        return self.fully_used(unit) and all(id(p) in self.mine for p in unit.params if p.requires_grad)
+        return (unit.index not in self.barred and self.fully_used(unit)
+                and all(id(p) in self.mine for p in unit.params if p.requires_grad))
 
     def ready(self, unit: FlatUnit, event: Any, unscale: float = 1.0) -> None:
         """``unit``'s final gradient is on its way to the host (``event``); the worker multiplies it by
@@ -125,6 +127,7 @@ class OverlapWorker:
         if self.owner.up_stream is not None:
             torch.cuda.current_stream(self.owner.device).wait_stream(self.owner.up_stream)
         stepped, self.stepped = self.stepped, set()
+        self.barred.clear()
         self.owner.stepped_in_backward += len(stepped)
         if self.backups is not None:
             self.backups.forget()
@@ -150,6 +153,14 @@ class OverlapWorker:
             self.backups.close()
 
     def late_gradient(self, unit: FlatUnit) -> None:
+        """``unit`` got a gradient after it was handed over: still queued, it goes back to the regular step (which
+        sees the whole gradient); already stepped, the run cannot be exact."""
+        if unit.index not in self.stepped:
+            self.barred.add(unit.index)  # its reduction may still be landing: it must not be queued then
+            if any(entry[0] is unit for entry in self.queued):
+                self.queued = [entry for entry in self.queued if entry[0] is not unit]
+                self.queued_numel -= unit.layout.shard_numel
+            return
         if unit.index in self.stepped:
             raise RuntimeError(
                 f"lightning_zero offload: parameters {unit.names[:3]} received a gradient after their unit had "
