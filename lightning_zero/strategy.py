@@ -519,6 +519,8 @@ class ZeroStrategy(ParallelStrategy):
             return super().training_step(*args, **kwargs)
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.lightning_module.trainer.state.fn == TrainerFn.FITTING:  # DDP's forward runs it: buffers as DDP's
+            self.engine.before_eval_forward()
         with self.engine.hold(self.lightning_module, until_backward_end=False):
             return super().validation_step(*args, **kwargs)
 

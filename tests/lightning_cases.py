@@ -133,12 +133,20 @@ class BNNet(pl.LightningModule):
         super().__init__()
         self.net = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 1))
         self.losses: list[float] = []
+        self.val_losses: list[float] = []  # this rank's: with the running statistics DDP broadcast from rank 0
 
     def training_step(self, batch, batch_idx):
         (x,) = batch
         loss = nn.functional.mse_loss(self.net(x).squeeze(-1), x.sum(-1))
         self.losses.append(float(loss.detach()))
         return loss
+
+    def validation_step(self, batch, batch_idx):
+        (x,) = batch
+        self.val_losses.append(float(nn.functional.mse_loss(self.net(x).squeeze(-1), x.sum(-1))))
+
+    def val_dataloader(self):
+        return DataLoader(TensorDataset(torch.randn(16, 8, generator=torch.Generator().manual_seed(5))), batch_size=4)
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.02, momentum=0.9)
@@ -190,7 +198,7 @@ def fit_case(rank: int, world: int, module_name: str, strategy: str, precision: 
            "units": len(engine.units) if engine is not None else 0,
            "speculation_decision": getattr(engine, "speculation_decision", ""),
            "state": trained_state(trainer, module),
-           "dtype": str(next(module.parameters()).dtype)}
+           "dtype": str(next(module.parameters()).dtype), "val_losses": getattr(module, "val_losses", [])}
     if lm:
         out["trace"] = torch.stack(module.param_trace)
         out["val"] = {k: float(v) for k, v in trainer.validate(module, lm_data(16), verbose=False)[0].items()}

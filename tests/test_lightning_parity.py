@@ -50,6 +50,15 @@ def test_fp32_parity_with_ddp(world2, run, ref):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("run", ["bn_zero2", "bn_zero3"])
+def test_validation_during_fit_sees_rank0s_batchnorm_statistics_as_under_ddp(world2, run):
+    # DDP's forward broadcasts rank 0's buffers before the first validation forward after a synchronizing step
+    for results in world2:
+        assert len(results[run]["val_losses"]) == len(results["bn_ddp"]["val_losses"]) > 0
+        assert results[run]["val_losses"] == pytest.approx(results["bn_ddp"]["val_losses"], rel=1e-5)
+
+
+@pytest.mark.slow
 def test_eval_after_fit_and_weights_handed_back(world2):
     for results in world2:
         assert results["zero2"]["dtype"] == "torch.float32"  # teardown gives the module back in fp32

@@ -243,6 +243,13 @@ class ZeroEngine:
             self.broadcast_buffers()
         self._sync_buffers_next = torch.is_grad_enabled() and self.last_micro_batch
 
+    def before_eval_forward(self) -> None:
+        """A fit's validation forward: DDP's forward broadcasts rank 0's buffers here too when the training forward
+        before it synchronized gradients (BatchNorm's running statistics then validate alike on every rank)."""
+        if self.config.broadcast_buffers and self._sync_buffers_next:
+            self.broadcast_buffers()
+        self._sync_buffers_next = False
+
     @contextmanager
     def hold(self, group: nn.Module, until_backward_end: bool) -> Iterator[None]:
         """Stage 3: keep ``group``'s parameters gathered for a scope (the root module for a Lightning step);
