@@ -34,6 +34,7 @@ from .engine import ZeroEngine
 from .engine.materialize import RngState, has_meta, move_all_but_flattened
 from .engine.memory import MemoryReport, memory_report
 from .engine.state import full_model_state, full_optimizer_state
+from .precision.batchnorm import match_batchnorm
 from .precision.plugin import ZeroPrecision, to_zero_precision
 from .presets import PRESETS
 from .replan import OOM, Replanner
@@ -81,6 +82,7 @@ class ZeroStrategy(ParallelStrategy):
         self._host_recheck = False  # offload: check the host budget again before the first step
         self._undo_hold: Optional[Callable[[], None]] = None  # scheduler_on_skip="hold" (see setup)
         self._undo_averaging: Optional[Callable[[], None]] = None  # stage 3: averaging callbacks gather (setup)
+        self._norm_hooks: list[Any] = []  # BatchNorm under 16-bit compute (precision/batchnorm.py)
         self._auto_config: Optional[ZeroConfig] = None  # zero_auto: the config it plans from (see replan.py)
         self._replanner = Replanner()
         self._step_args: Optional[tuple] = None
@@ -264,6 +266,8 @@ class ZeroStrategy(ParallelStrategy):
             wrappers=lightning_compat.lightning_optimizers(self) if fitting else (),
             free_grads_at_step=fitting and lightning_loop.zero_grad_before_next_backward(self.lightning_module))
         self.precision_plugin.attach(engine, self.root_device.type)
+        self._norm_hooks = match_batchnorm(self.lightning_module, self.precision_plugin.compute_dtype,
+                                           getattr(self.precision_plugin, "mixed", False))
         engine.say, engine.ranks_on_node = rank_zero_info, self.num_processes
         if self.config.delayed_step and engine.offloader is not None and fitting and not engine.free_grads_at_step:
             raise ZeroConfigError(
@@ -753,6 +757,9 @@ class ZeroStrategy(ParallelStrategy):
         The module may still be sharded by the stage-3 engine of an earlier Trainer (its fit kept the
         module sharded): that engine gives the values back first."""
         self._parked, self._overlap_after_first = None, None
+        for handle in self._norm_hooks:
+            handle.remove()
+        self._norm_hooks = []
         kept = process_group.take_kept_engine(self.lightning_module)
         for engine in {id(e): e for e in (self.engine, kept) if e is not None}.values():
             engine.unflatten(torch.device("cpu"))  # one unit at a time on the device; model_to_device follows

@@ -25,6 +25,14 @@ CASES = {
     "bn_ddp": (("bn", "ddp"), dict(accumulate=2)),
     "bn_zero2": (("bn", "zero2"), dict(accumulate=2)),
     "bn_zero3": (("bn", "zero3"), dict(accumulate=2, options=dict(min_group_params=10, param_persistence_threshold=0))),
+    "bn_ddp_bf16": (("bn", "ddp"), dict(accumulate=2, precision="bf16-mixed")),
+    "bn_zero2_bf16": (("bn", "zero2"), dict(accumulate=2, precision="bf16-mixed")),
+    "bn_zero3_bf16": (("bn", "zero3"), dict(accumulate=2, precision="bf16-mixed",
+                                            options=dict(min_group_params=10, param_persistence_threshold=0))),
+    "bn_ddp_bf16true": (("bn", "ddp"), dict(accumulate=2, precision="bf16-true")),
+    "bn_zero2_bf16true": (("bn", "zero2"), dict(accumulate=2, precision="bf16-true")),
+    "bn_zero3_bf16true": (("bn", "zero3"), dict(accumulate=2, precision="bf16-true",
+                                                options=dict(min_group_params=10, param_persistence_threshold=0))),
     "fp16_inject": (("lm", "zero2"), dict(plugin="16-mixed", inject=(2, 3), options=dict(initial_scale_power=8))),
 }
 
@@ -75,6 +83,17 @@ def test_bf16_close_to_ddp_autocast(world2):
         for name in ("zero1_bf16", "zero2_bf16"):
             assert_16bit_close(results[name], results["ddp_bf16"], results["ddp"])
         assert results["zero2_bf16"]["dtype"] == "torch.float32"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("run,ref16", [("bn_zero2_bf16", "bn_ddp_bf16"), ("bn_zero3_bf16", "bn_ddp_bf16"),
+                                       ("bn_zero2_bf16true", "bn_ddp_bf16true"),
+                                       ("bn_zero3_bf16true", "bn_ddp_bf16true")])
+def test_batchnorm_under_bf16_trains_as_under_ddp(world2, run, ref16):
+    # mixed: BatchNorm's 16-bit weight meets its fp32 statistics; true: statistics in bf16 as Lightning converts them
+    for results in world2:
+        assert results[run]["global_step"] == results[ref16]["global_step"] > 0
+        assert_16bit_close(results[run], results[ref16], results["bn_ddp"])
 
 
 @pytest.mark.slow
