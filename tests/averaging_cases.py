@@ -70,3 +70,34 @@ def fit_averaged(rank: int, world: int, strategy: str, kind: str, precision: str
 
 def run_all(rank: int, world: int, runs: list[tuple[str, str, str]]) -> dict:
     return {run: fit_averaged(rank, world, *run) for run in runs}
+
+
+def _strategy(name: str, fmt: str):
+    if name == "ddp":
+        return "ddp"
+    options = dict(SHARDED) if name == "zero3_sharded" else dict(stage=int(name[-1]))
+    return ZeroStrategy(**options, checkpoint_format=fmt)
+
+
+def fit_ema_resumed(rank: int, world: int, saver: str, loader: str, fmt: str, root: str) -> dict:
+    """EMA over 2 epochs with ModelCheckpoint(save_last) under ``saver``, then a third epoch resumed from it under
+    ``loader``: the resumed losses and the final (averaged) state."""
+    from lightning.pytorch.callbacks import EMAWeightAveraging, ModelCheckpoint
+
+    directory = f"{root}/{saver}_{loader}_{fmt}"
+    common = dict(accelerator="cpu", devices=world, logger=False, enable_progress_bar=False,
+                  enable_model_summary=False, num_sanity_val_steps=0)
+    pl.seed_everything(0, verbose=False)
+    trainer = pl.Trainer(strategy=_strategy(saver, fmt), max_epochs=2, **common,
+                         callbacks=[EMAWeightAveraging(decay=0.9), ModelCheckpoint(dirpath=directory, save_last=True)])
+    trainer.fit(Net(), _data(0, 32), _data(1, 16))
+    pl.seed_everything(1, verbose=False)  # another initialisation: every weight must come from the checkpoint
+    module = Net()
+    trainer = pl.Trainer(strategy=_strategy(loader, fmt), max_epochs=3, callbacks=[EMAWeightAveraging(decay=0.9)],
+                         enable_checkpointing=False, **common)
+    trainer.fit(module, _data(0, 32), _data(1, 16), ckpt_path=f"{directory}/last.ckpt")
+    return {"losses": module.losses, "val_losses": module.val_losses, "state": trained_state(trainer, module)}
+
+
+def run_ema_resumed(rank: int, world: int, runs: list[tuple[str, str, str]], root: str) -> dict:
+    return {run: fit_ema_resumed(rank, world, *run, root) for run in runs}

@@ -61,6 +61,13 @@ def consolidated(path: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     state_dict.update(extras_of(layout, keys))
     checkpoint = {k: v for k, v in meta.items() if k not in ("lightning_zero", "state_dict_extra", "optimizer_states")}
     checkpoint["state_dict"] = state_dict
+    if "current_model_state" in layout.lz.get("model_states", ()):  # WeightAveraging's (see sharded.MODEL_STATES)
+        current = layout.keys_under("current_model_state")
+        checkpoint["current_model_state"] = {
+            name: lazy.setdefault(key, reader.lazy(key, layout.shape(key, name)))
+            for name, key in current.items() if layout.is_tensor(key)}
+        objects = read_objects(layout.path, sorted({k for k in current.values() if not layout.is_tensor(k)}))
+        checkpoint["current_model_state"].update({name: objects[k] for name, k in current.items() if k in objects})
     count = layout.optimizer_count()
     if count:
         checkpoint["optimizer_states"] = [_optimizer(reader, layout, i, state_dict) for i in range(count)]

@@ -81,7 +81,7 @@ def load(checkpoint_path: Any, engine: Optional[ZeroEngine], module: nn.Module, 
         checkpoint = deepspeed_format.lightning_checkpoint(path, module)
     elif path.is_dir() or not path.exists():
         checkpoint = sharded.read(path, comm)  # names the missing / incomplete / foreign / damaged directory
-        if engine is None:  # before setup: straight into the module's own tensors
+        if engine is None and isinstance(checkpoint["state_dict"], sharded.SavedState):  # before setup: in place
             checkpoint["state_dict"] = sharded.load_into_module(checkpoint["state_dict"], module)
     elif not plain_io:
         checkpoint = load_file()

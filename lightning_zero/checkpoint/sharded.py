@@ -47,6 +47,9 @@ __all__ = ["FORMAT", "FORMAT_V1", "SavedState", "Layout", "model_pieces", "optim
 FORMAT = "lightning_zero.sharded.v2"
 FORMAT_V1 = "lightning_zero.sharded.v1"
 MODEL = "state_dict."
+# Top-level entries that hold a module state dict. Lightning's WeightAveraging (EMA) moves the module's own
+# state (our pieces) to "current_model_state" when it saves, and puts its average in "state_dict".
+MODEL_STATES = ("state_dict", "current_model_state")
 _V1_MODEL, _V1_OPTIM = "model/", "optim/"
 
 
@@ -100,15 +103,18 @@ def _split(checkpoint: dict[str, Any], rank: int) -> tuple[dict[str, Any], dict[
     """(what DCP writes, the rest for meta.pt). Values every rank holds alike are written by rank 0 alone:
     buffers drift apart between ranks until the next training forward takes rank 0's (as DDP does), and a
     checkpoint holds rank 0's, as a DDP checkpoint does (DCP would spread them over the writers)."""
-    meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-    state = {k: v for k, v in checkpoint.get("state_dict", {}).items() if rank == 0 or _is_part(v)}
-    tensors: dict[str, Any] = {"state_dict": state}
+    meta = {k: v for k, v in checkpoint.items() if k not in MODEL_STATES + ("optimizer_states",)}
+    tensors: dict[str, Any] = {}
+    for top in MODEL_STATES:
+        if top in checkpoint or top == "state_dict":
+            tensors[top] = {k: v for k, v in checkpoint.get(top, {}).items() if rank == 0 or _is_part(v)}
     optimizers = []
     for i, opt in enumerate(checkpoint.get("optimizer_states", [])):
         tensors[f"optimizer_{i}"] = opt
         optimizers.append({"elementwise": {name: {k: str(v.dtype) for k, v in entry.items() if _is_part(v)}
                                            for name, entry in opt.get("state", {}).items()}})
     meta["_optimizers"] = optimizers
+    meta["_model_states"] = [top for top in MODEL_STATES if top in tensors]
     return tensors, meta
 
 
@@ -136,7 +142,7 @@ def save(checkpoint: dict[str, Any], path: Any, comm: Comm, describe: dict[str, 
     if error:
         raise CheckpointPathError(error)
     tensors, meta = _split(checkpoint, comm.rank)
-    meta["lightning_zero"] = {**describe, "optimizers": meta.pop("_optimizers")}
+    meta["lightning_zero"] = {**describe, "optimizers": meta.pop("_optimizers"), "model_states": meta.pop("_model_states")}
     partial = partial_path(path)
     comm.dcp_save(tensors, dcp.FileSystemWriter(str(partial), single_file_per_rank=False,
                                                 thread_count=_WRITER_THREADS))
@@ -185,6 +191,15 @@ class Layout:
                     keys[path[1]] = key
                 elif not path and key.startswith(MODEL):
                     keys[key[len(MODEL):]] = key
+        for alias, name in self.lz.get("aliases", {}).items():
+            if name in keys and alias not in keys:
+                keys[alias] = keys[name]
+        return keys
+
+    def keys_under(self, top: str) -> dict[str, str]:
+        """Like :meth:`model_keys` for another saved state dict (``MODEL_STATES``)."""
+        keys = {path[1]: key for key, path in ((k, self._path(k)) for k in self.entries)
+                if len(path) == 2 and path[0] == top}
         for alias, name in self.lz.get("aliases", {}).items():
             if name in keys and alias not in keys:
                 keys[alias] = keys[name]
@@ -298,10 +313,25 @@ def read(path: Any, comm: Optional[Comm] = None) -> dict[str, Any]:
                                   f"that wrote it.")
     checkpoint = {k: v for k, v in meta.items() if k not in ("optimizer_states", "state_dict_extra")}
     checkpoint["state_dict"] = SavedState(layout)
+    if "current_model_state" in layout.lz.get("model_states", ()):
+        # WeightAveraging's on_load_checkpoint reads both as plain mappings on every rank: whole tensors here (the
+        # averaged copy it keeps is whole on every rank too); its load_state_dict writes into the masters
+        checkpoint["state_dict"] = read_whole(layout, "state_dict", comm)
+        checkpoint["current_model_state"] = read_whole(layout, "current_model_state", comm)
     count = layout.optimizer_count()
     if count:
         checkpoint["optimizer_states"] = [SavedState(layout, i) for i in range(count)]
     return checkpoint
+
+
+def read_whole(layout: Layout, top: str, comm: Optional[Comm] = None) -> dict[str, Any]:
+    """The state dict saved under ``top`` as whole tensors (and extra state) in this rank's memory."""
+    found = layout.keys_under(top)
+    targets = {key: torch.empty(layout.entries[key].size, dtype=layout.entries[key].properties.dtype)
+               for key in found.values() if layout.is_tensor(key)}
+    _load(targets, layout.path, comm)
+    objects = read_objects(layout.path, sorted({key for key in found.values() if not layout.is_tensor(key)}))
+    return {name: targets[key] if key in targets else objects[key] for name, key in found.items()}
 
 
 def verify_checksums(path: Path, comm: Optional[Comm] = None) -> None:

@@ -112,13 +112,23 @@ def install_load_into_masters(module: nn.Module, units: list[FlatUnit]) -> list[
     for sub in module.modules():
         owned = {n: slot_of[id(p)] for n, p in sub._parameters.items() if p is not None and id(p) in slot_of}
         if owned:
-            handles.append(sub._register_load_state_dict_pre_hook(_LoadIntoMasters(owned), with_module=True))
+            hook = _LoadIntoMasters(owned)
+            handles.append(sub._register_load_state_dict_pre_hook(hook, with_module=True))
+            handles.append(sub.register_load_state_dict_post_hook(hook.after))
     return handles
 
 
 class _LoadIntoMasters:
     def __init__(self, owned: dict[str, tuple[FlatUnit, int]]) -> None:
         self.owned = owned
+        self.placeholders: list[tuple[FlatUnit, int]] = []  # stage 3: torch copies the placeholder onto itself
+
+    def after(self, module: nn.Module, incompatible: Any) -> None:
+        # that self-copy bumped the placeholder's version counter: it is no edit (the value is in the master)
+        for unit, slot in self.placeholders:
+            if unit.released_versions:
+                unit.released_versions[slot] = unit.params[slot]._version
+        self.placeholders = []
 
     @torch.no_grad()
     def __call__(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any, strict: bool,
@@ -143,5 +153,9 @@ class _LoadIntoMasters:
             if piece is not None:
                 unit.master.detach()[piece.shard_start:piece.shard_start + piece.length].copy_(
                     value.detach().reshape(-1)[piece.param_start:piece.param_start + piece.length])
-            state_dict[key] = value if param.numel() == value.numel() else param.detach()  # stage 3: a placeholder
+            if param.numel() == value.numel():
+                state_dict[key] = value
+            else:  # stage 3: a placeholder
+                state_dict[key] = param.detach()
+                self.placeholders.append((unit, slot))
             unit.refresh_param_shard()
