@@ -180,6 +180,7 @@ class ZeroModelEngine(nn.Module):
 
     # ---- training ------------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self.zero.check_gather_schedule()
         if self.module.training:
             self.zero.before_training_forward()
         context = (torch.autocast(self.device.type, dtype=self.compute_dtype)

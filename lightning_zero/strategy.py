@@ -561,6 +561,27 @@ class ZeroStrategy(ParallelStrategy):
         self._settle()
         self._check_even(self.lightning_module.trainer.predict_loop, "predict")
 
+    def on_train_end(self) -> None:
+        self._check_gather_schedule()
+        super().on_train_end()
+
+    def on_validation_end(self) -> None:
+        self._check_gather_schedule()
+        super().on_validation_end()
+
+    def on_test_end(self) -> None:
+        self._check_gather_schedule()
+        super().on_test_end()
+
+    def on_predict_end(self) -> None:
+        self._check_gather_schedule()
+        super().on_predict_end()
+
+    def _check_gather_schedule(self) -> None:
+        """Stage 3: the last steps of a loop gathered alike on every rank (see engine/schedule_check.py)."""
+        if self.engine is not None and not self._failed:
+            self.engine.check_gather_schedule(wait=True)
+
     def _settle(self) -> None:
         """delayed_step: evaluation sees the latest update (every rank is here: the publish is a collective)."""
         if self.engine is not None:

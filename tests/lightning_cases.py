@@ -173,7 +173,7 @@ def fit_case(rank: int, world: int, module_name: str, strategy: str, precision: 
     pl.seed_everything(0, verbose=False)
     module = {"lm": TinyLM, "blocks": BlockLM, "blocks_reentrant": ReentrantBlockLM,
               "blocks_inout": InOutBlockLM, "blocks_inout_plain": InOutBlockLMNonReentrant, "gan": TinyGAN, "bn": BNNet, "encode": EncodeOnly,
-              "rank_expert": RankExpertLM}[module_name]()
+              "rank_expert": RankExpertLM, "blocks_experts": ExpertsLM}[module_name]()
     if inject:
         module.inject_inf_at = set(inject)
     lm = module_name.startswith("blocks") or module_name in ("lm", "rank_expert")
@@ -292,6 +292,63 @@ class InOutBlockLMNonReentrant(InOutBlockLM):
     that gets a gradient twice in one reentrant backward)."""
 
     reentrant = False
+
+
+class ExpertLayer(nn.Module):
+    """Top-1 routing over Block experts; rank r may pick only the experts e with (e + r) even, so the ranks run
+    different experts in every step (as token routing does on real data)."""
+
+    def __init__(self, dim: int, count: int = 4, name: str = "experts") -> None:
+        super().__init__()
+        self.router = nn.Linear(dim, count)
+        self.name = name
+        setattr(self, name, nn.ModuleList([Block(dim) for _ in range(count)]))
+        self.rank = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        experts = getattr(self, self.name)
+        gate = self.router(x).softmax(-1)
+        allowed = torch.tensor([(e + self.rank) % 2 == 0 for e in range(len(experts))])
+        choice = gate.masked_fill(~allowed, -1.0).argmax(-1)
+        out = torch.zeros_like(x)
+        for e in choice.unique().tolist():
+            picked = choice == e
+            out[picked] = experts[e](x[picked]) * gate[picked][:, e:e + 1]
+        return x + out
+
+
+class ExpertsLM(BlockLM):
+    """BlockLM with a mixture-of-experts layer between its blocks (experts bigger than min_group_params)."""
+
+    def __init__(self, name: str = "experts") -> None:
+        super().__init__()
+        self.moe = ExpertLayer(24, name=name)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        self.moe.rank = self.global_rank
+        x = self.emb(idx)
+        for i, block in enumerate(self.blocks):
+            x = self.moe(block(x)) if i == 1 else block(x)
+        x = self.shared(torch.tanh(self.shared(x)))
+        return self.head(self.norm(self.frozen(x)))
+
+
+class BranchesLM(ExpertsLM):
+    """ExpertsLM whose experts are called "branches": the size policy cannot tell them from blocks that always run."""
+
+    def __init__(self) -> None:
+        super().__init__(name="branches")
+
+
+def conditional_groups_case(rank: int, world: int) -> dict:
+    """BranchesLM under stage 3 with each branch a group of its own: the ranks gather different groups."""
+    pl.seed_everything(0, verbose=False)
+    trainer = pl.Trainer(accelerator="cpu", devices=world, logger=False, enable_checkpointing=False, max_epochs=1,
+                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                         strategy=ZeroStrategy(stage=3, min_group_params=100, param_persistence_threshold=0,
+                                               collective_timeout_s=30.0))
+    trainer.fit(BranchesLM(), lm_data())
+    return {}
 
 
 class MetaLM(pl.LightningModule):

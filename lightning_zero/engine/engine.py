@@ -40,6 +40,7 @@ from .norms import any_nonfinite, by_device, global_norm, grad_norms
 from .offload import Offloader
 from .optim import Routes, check_optimizer, pieces_in_groups, unwrap
 from .readiness import ForwardOrder
+from .schedule_check import GatherScheduleCheck
 from .speculation_trial import WINDOWS, SpeculationTrial, host_copy_seconds_per_byte, pays
 from .torch_clip import install as install_torch_clip
 
@@ -221,9 +222,17 @@ class ZeroEngine:
     def _make_gatherer(self) -> Gatherer:
         unit_of = {id(p): u for u in self.units for p in u.params}
         small = {u.index for u in self.units if u.layout.numel < self.config.param_persistence_threshold}
+        schedule = GatherScheduleCheck(self.comm, self.device, lambda i: f"'{self.units[i].names[0]}'")
         return Gatherer(build_needs(self.module, self.group_modules, unit_of), self.comm.sibling(), self.config.prefetch,
                         small, members_of(self.module, self.group_modules),
-                        copy_stream=self.offloader.copy_stream if self.offloader is not None else None)
+                        copy_stream=self.offloader.copy_stream if self.offloader is not None else None,
+                        schedule=schedule)
+
+    def check_gather_schedule(self, wait: bool = False) -> None:
+        """Stage 3, at the start of every step (and with ``wait`` at the end of a loop): did every rank gather the
+        same units? (see :mod:`lightning_zero.engine.schedule_check`)."""
+        if self.gatherer is not None and self.gatherer.schedule is not None:
+            self.gatherer.schedule.checkpoint(wait=wait)
 
     def _agree_order(self) -> Optional[list[int]]:
         """Rank 0's forward order becomes every rank's launch order (one broadcast, first backward)."""
@@ -257,6 +266,7 @@ class ZeroEngine:
         if self.gatherer is None:
             yield
             return
+        self.check_gather_schedule()
         with self.gatherer.hold(group, until_backward_end):
             try:
                 yield

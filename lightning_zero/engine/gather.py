@@ -50,6 +50,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from ..collectives import Comm, Handle
 from .flat_unit import FlatUnit, UnitState
+from .schedule_check import GatherScheduleCheck
 from .weak import weakly
 
 __all__ = ["Gatherer", "TrainingState"]
@@ -145,11 +146,14 @@ class Gatherer:
         members: module owning parameters directly -> its group module (for layers run
             outside their group's forward, e.g. ``self.coder.encode(x)``).
         copy_stream: offload: the side stream host-to-device copies (and their gathers) run on.
+        schedule: the check that every rank gathers the same units (see schedule_check).
     """
 
     def __init__(self, needs: dict[nn.Module, list[FlatUnit]], comm: Comm, prefetch: int, persistent: set[int],
-                 members: Optional[dict[nn.Module, nn.Module]] = None, copy_stream: Optional[Any] = None) -> None:
+                 members: Optional[dict[nn.Module, nn.Module]] = None, copy_stream: Optional[Any] = None,
+                 schedule: Optional[GatherScheduleCheck] = None) -> None:
         self.groups = {id(m): _Group(m, units) for m, units in needs.items()}
+        self.schedule = schedule  # records every gather for the ranks' comparison (see schedule_check)
         self.comm = comm
         self.prefetch = prefetch
         self.persistent = persistent
@@ -196,6 +200,8 @@ class Gatherer:
         slot = self.slots[unit.index]
         if unit.state is UnitState.UNSHARDED or slot.pending is not None:
             return
+        if self.schedule is not None:
+            self.schedule.note(unit.index)
         with torch.inference_mode(False), torch.no_grad(), record_function(f"zero/all_gather[unit {unit.index}]"):
             unit.alloc_storage()
             if self.copy_stream is None or not unit.source_on_host:

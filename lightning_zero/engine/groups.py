@@ -44,12 +44,27 @@ def group_modules(root: nn.Module, class_names: tuple[str, ...], min_params: int
 
 def _size_policy(module: nn.Module, min_params: int, chosen: list, root: nn.Module) -> int:
     free = sum(p.numel() for p in module.parameters(recurse=False))
-    for child in module.children():
-        free += _size_policy(child, min_params, chosen, root)
+    for name, child in module.named_children():
+        if is_expert_container(name, child):  # see [Note: conditional groups]
+            free += sum(p.numel() for p in child.parameters())
+        else:
+            free += _size_policy(child, min_params, chosen, root)
     if module is not root and any(True for _ in module.children()) and _has_forward(module) and free >= min_params:
         chosen.append(module)
         return 0
     return free
+
+
+# [Note: conditional groups]
+# A group's gather is a collective: every rank must run the same groups' forwards in the same order. A mixture of
+# experts runs only the experts its tokens pick, which differ between ranks: an expert that formed a group of its
+# own would be gathered by some ranks only, and they would wait for each other forever (or, with experts of equal
+# shapes, exchange each other's pieces). So the size policy never splits a container of experts (a ModuleList or
+# ModuleDict whose attribute name says "expert", as in Hugging Face's, fairseq's and Megatron's MoE layers): the
+# layer that holds it, which every rank runs, gathers all its experts. Other conditional modules need wrap_modules
+# naming the layer that always runs.
+def is_expert_container(name: str, module: nn.Module) -> bool:
+    return isinstance(module, (nn.ModuleList, nn.ModuleDict)) and "expert" in name.lower()
 
 
 def _has_forward(module: nn.Module) -> bool:
