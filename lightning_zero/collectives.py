@@ -118,6 +118,12 @@ class Comm:
         work = _ALL_GATHER(full, shard, group=self.group, async_op=async_op)
         return Handle(work, (full, shard))
 
+    def all_gather_check(self, full: torch.Tensor, mine: torch.Tensor) -> Handle:
+        """An asynchronous all-gather of a few bookkeeping values (counted apart from the model's traffic)."""
+        self._count("check", full)
+        work = _ALL_GATHER(full, mine, group=self.group, async_op=True)
+        return Handle(work, (full, mine))
+
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         """In-place all-reduce of a small tensor (norms, overflow flags); ``op`` is sum or max."""
         if self.world_size > 1:

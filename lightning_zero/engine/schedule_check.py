@@ -58,7 +58,7 @@ class GatherScheduleCheck:
         trace, self.trace = self.trace, []
         mine = torch.tensor([hash(tuple(trace)) & _MASK, len(trace)], dtype=torch.int64, device=self.device)
         values = torch.empty(2 * self.comm.world_size, dtype=torch.int64, device=self.device)
-        handle = self.comm.all_gather(values, mine, async_op=True)
+        handle = self.comm.all_gather_check(values, mine)
         event = None
         if self.device.type == "cuda":  # to the host behind an event: reading it later waits for nothing else
             handle.wait()
