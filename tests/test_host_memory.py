@@ -280,3 +280,24 @@ def test_the_module_in_host_memory_is_given_back_unit_by_unit_as_the_engine_buil
     trainer.fit(module, DataLoader(TensorDataset(torch.randn(8, 1024)), batch_size=4))
     assert len(seen) == 12
     assert max(seen) <= module_bytes + 2 * unit_bytes + 2**20, (max(seen) / 2**20, module_bytes / 2**20)
+
+
+def test_what_the_engine_does_not_flatten_goes_to_the_device_metric_states_included():
+    # the meta device stands for the GPU: a torchmetrics Metric keeps its states as plain attributes that only its
+    # own .to() moves (a metric left on the host failed every GPU fit that updates one)
+    import torchmetrics
+
+    from lightning_zero.engine.materialize import move_all_but_flattened
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer, self.norm = nn.Linear(3, 3), nn.BatchNorm1d(3)
+            self.acc = torchmetrics.classification.MulticlassAccuracy(num_classes=3)
+            self.metrics = nn.ModuleDict({"mean": torchmetrics.MeanMetric()})
+
+    model = Model()
+    move_all_but_flattened(model, torch.device("meta"))
+    assert model.layer.weight.device.type == "cpu"  # the engine copies it unit by unit
+    assert model.norm.running_mean.is_meta and model.acc.tp.is_meta and model.metrics["mean"].mean_value.is_meta
+    assert model.acc.device.type == "meta"

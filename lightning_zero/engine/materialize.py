@@ -54,14 +54,21 @@ def move_all_but_flattened(module: nn.Module, device: torch.device) -> None:
     """Buffers and the parameters the engine does not flatten (not floating point) go to ``device`` now; the
     floating-point parameters stay where they are: the engine copies each unit's to the device as it builds that
     unit, and the old copy dies there. A module built in host memory therefore never sits whole on the GPU beside
-    the masters, and its host memory is given back unit by unit."""
-    for sub in module.modules():
-        for name, buffer in sub._buffers.items():
-            if buffer is not None:
-                sub._buffers[name] = buffer.to(device)
-        for name, param in sub._parameters.items():
-            if param is not None and not param.is_floating_point():  # cannot require grad: no optimizer holds it
-                sub._parameters[name] = nn.Parameter(param.detach().to(device), requires_grad=False)
+    the masters, and its host memory is given back unit by unit.
+
+    A subtree without floating-point parameters moves with its own ``.to()``: a torchmetrics ``Metric`` keeps its
+    states as plain attributes that only its ``_apply`` knows."""
+    if not any(p.is_floating_point() for p in module.parameters()):
+        module.to(device)
+        return
+    for name, buffer in module._buffers.items():
+        if buffer is not None:
+            module._buffers[name] = buffer.to(device)
+    for name, param in module._parameters.items():
+        if param is not None and not param.is_floating_point():  # cannot require grad: no optimizer holds it
+            module._parameters[name] = nn.Parameter(param.detach().to(device), requires_grad=False)
+    for child in module.children():
+        move_all_but_flattened(child, device)
 
 
 def has_meta(module: nn.Module) -> bool:
