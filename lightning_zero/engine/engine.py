@@ -222,11 +222,10 @@ class ZeroEngine:
     def _make_gatherer(self) -> Gatherer:
         unit_of = {id(p): u for u in self.units for p in u.params}
         small = {u.index for u in self.units if u.layout.numel < self.config.param_persistence_threshold}
-        schedule = GatherScheduleCheck(self.comm, self.device, lambda i: f"'{self.units[i].names[0]}'")
         return Gatherer(build_needs(self.module, self.group_modules, unit_of), self.comm.sibling(), self.config.prefetch,
                         small, members_of(self.module, self.group_modules),
                         copy_stream=self.offloader.copy_stream if self.offloader is not None else None,
-                        schedule=schedule)
+                        schedule=GatherScheduleCheck(self.comm, self.device, lambda i: repr(self.units[i].names[0])))
 
     def check_gather_schedule(self, wait: bool = False) -> None:
         """Stage 3, at the start of every step (and with ``wait`` at the end of a loop): did every rank gather the
@@ -286,14 +285,10 @@ class ZeroEngine:
         return self.offloader.describe(sum(u.layout.shard_numel for u in self.units))
 
     def end_gather_group(self) -> None:
-        """Destroy the process group stage 3 gathers on (``Comm.sibling``: one per engine).
-
-        Its gloo worker threads live as long as the group object does, so a released engine must
-        not keep it: otherwise every fit/validate/test would leave a group behind, and the last
-        one would be torn down only during interpreter finalization (see [Note: destroy the group
-        at exit] in :mod:`lightning_zero.process_group`). Not a collective: every rank's gathers
-        were waited before.
-        """
+        """Destroy the process group stage 3 gathers on (``Comm.sibling``: one per engine). Its gloo threads live as
+        long as the group object: each fit/validate/test would leave one behind, the last torn down only during
+        interpreter finalization ([Note: destroy the group at exit] in :mod:`lightning_zero.process_group`). Not a
+        collective: every rank's gathers were waited before."""
         gatherer = self.gatherer
         if gatherer is None or gatherer.comm.group is None or gatherer.comm.group is self.comm.group:
             return
