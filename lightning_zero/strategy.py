@@ -188,6 +188,7 @@ class ZeroStrategy(ParallelStrategy):
         self.accelerator.setup(trainer)
         self._failed = False
         lightning_compat.mark_checkpoint_dumps(trainer, self._mark_dumping)
+        lightning_compat.tell_throughput_monitors(trainer, self.root_device, self.precision_plugin.compute_dtype)
         if self.deepspeed is not None:
             ds_glue.apply_to_trainer(self.deepspeed, trainer, self.world_size)
         fitting = trainer.state.fn == TrainerFn.FITTING

@@ -316,3 +316,20 @@ def test_metrics_and_sync_dist_match_ddp(world2):
         assert world2[0][strategy]["val"] == world2[1][strategy]["val"]
         assert world2[0][strategy]["train_loss"] == world2[1][strategy]["train_loss"]
         assert world2[0][strategy]["local_acc"] != world2[1][strategy]["local_acc"]  # each rank saw its own data
+
+
+@pytest.mark.parametrize("precision,dtype", [("bf16-mixed", torch.bfloat16), ("bf16-true", torch.bfloat16),
+                                             ("32-true", torch.float32)])
+def test_throughput_monitor_takes_the_peak_of_the_dtype_we_compute_in(monkeypatch, precision, dtype):
+    # Lightning counts a precision plugin it does not know as fp32: its MFU would divide by the fp32 peak
+    from lightning.fabric.utilities import throughput as fabric_throughput
+    from lightning.pytorch.callbacks import ThroughputMonitor, throughput_monitor
+
+    peaks = {torch.bfloat16: 1000.0, torch.float32: 10.0}
+    fake = lambda device, wanted: peaks.get(wanted)  # noqa: E731 - the CPU has no table entry; stand-in peaks
+    monkeypatch.setattr(fabric_throughput, "get_available_flops", fake)
+    monkeypatch.setattr(throughput_monitor, "get_available_flops", fake)
+    monitor = ThroughputMonitor(batch_size_fn=lambda batch: batch[0].shape[0])
+    _trainer(precision=precision, callbacks=[monitor]).fit(TinyLM(), lm_data())
+    assert monitor.available_flops == peaks[dtype]
+    assert all(t.available_flops == peaks[dtype] for t in monitor._throughputs.values())
