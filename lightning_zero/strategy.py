@@ -203,6 +203,8 @@ class ZeroStrategy(ParallelStrategy):
         else:  # evaluation after fit (stage 3): the kept engine's shards are the model
             self.model_to_device()
             self.engine.restore_param_views()
+            if self.config.broadcast_buffers:  # as DDP's setup for evaluation: every rank evaluates with rank 0's
+                self.engine.broadcast_buffers()
         self.setup_precision_plugin()
         if fitting and self.precision_plugin.scaler is not None and self.config.scheduler_on_skip == "hold":
             self._undo_hold = lightning_loop.hold_schedulers_on_skip(trainer, self.lightning_module,

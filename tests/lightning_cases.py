@@ -148,8 +148,30 @@ class BNNet(pl.LightningModule):
     def val_dataloader(self):
         return DataLoader(TensorDataset(torch.randn(16, 8, generator=torch.Generator().manual_seed(5))), batch_size=4)
 
+    def predict_step(self, batch, batch_idx):
+        return self.net(batch[0])
+
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.02, momentum=0.9)
+
+
+def bn_evaluated_after_fit_case(rank: int, world: int, strategy: str) -> dict:
+    """BNNet fitted without validation, then validate / test / predict on the same Trainer: DDP evaluates every rank
+    with rank 0's running statistics."""
+    pl.seed_everything(0, verbose=False)
+    module = BNNet()
+    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=make_strategy(strategy), max_epochs=1,
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, limit_val_batches=0)
+    trainer.fit(module, DataLoader(TensorDataset(torch.randn(32, 8, generator=torch.Generator().manual_seed(4))),
+                                   batch_size=4))
+    trainer.limit_val_batches = 1.0
+    trainer.validate(module, module.val_dataloader(), verbose=False)
+    out = {"val_losses": list(module.val_losses), "running_mean": module.net[1].running_mean.detach().clone()}
+    predicted = trainer.predict(module, DataLoader(TensorDataset(torch.randn(8, 8, generator=torch.Generator()
+                                                                              .manual_seed(6))), batch_size=4))
+    out["predictions"] = torch.cat([p for p in predicted]) if predicted else None
+    return out
 
 
 def gan_data() -> DataLoader:

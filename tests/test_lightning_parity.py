@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from dist_utils import run_ranks
-from lightning_cases import fit_case
+from lightning_cases import bn_evaluated_after_fit_case, fit_case
 from parity import assert_16bit_close, assert_parity, rel_err, state_err
 
 LM = dict(accumulate=2, clip_val=0.5)
@@ -64,6 +65,18 @@ def test_validation_during_fit_sees_rank0s_batchnorm_statistics_as_under_ddp(wor
     for results in world2:
         assert len(results[run]["val_losses"]) == len(results["bn_ddp"]["val_losses"]) > 0
         assert results[run]["val_losses"] == pytest.approx(results["bn_ddp"]["val_losses"], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_evaluation_after_fit_on_the_same_trainer_uses_rank0s_batchnorm_statistics_as_under_ddp():
+    runs = {s: run_ranks(bn_evaluated_after_fit_case, 2, s, lightning=True) for s in ("ddp", "zero2", "zero3")}
+    for rank in range(2):
+        ref = runs["ddp"][rank]
+        for name in ("zero2", "zero3"):
+            mine = runs[name][rank]
+            assert torch.allclose(mine["running_mean"], ref["running_mean"], atol=1e-6), (name, rank)
+            assert mine["val_losses"] == pytest.approx(ref["val_losses"], rel=1e-5), (name, rank)
+            assert torch.allclose(mine["predictions"], ref["predictions"], atol=1e-5), (name, rank)
 
 
 @pytest.mark.slow
