@@ -180,12 +180,11 @@ class ZeroModelEngine(nn.Module):
 
     # ---- training ------------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        self.zero.check_gather_schedule()
         if self.module.training:
             self.zero.before_training_forward()
         context = (torch.autocast(self.device.type, dtype=self.compute_dtype)
                    if self.compute_dtype != torch.float32 else nullcontext())
-        with context:
+        with context, self.zero.forward_scope():
             return self.module(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:

@@ -373,6 +373,29 @@ def conditional_groups_case(rank: int, world: int) -> dict:
     return {}
 
 
+def one_rank_forward_after_fit_case(rank: int, world: int) -> dict:
+    """After a stage-3 fit rank 0 alone runs the module (a quick look under `if trainer.is_global_zero:`)."""
+    from lightning_zero.collectives import MissingRanksError
+
+    pl.seed_everything(0, verbose=False)
+    module = BlockLM()
+    trainer = pl.Trainer(accelerator="cpu", devices=world, logger=False, enable_checkpointing=False, max_epochs=1,
+                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                         strategy=ZeroStrategy(stage=3, wrap_modules=("Block",), param_persistence_threshold=0,
+                                               rendezvous_timeout_s=5.0))
+    trainer.fit(module, lm_data())
+    module.eval()
+    out: dict = {"logits": tuple(module(torch.zeros(2, 9, dtype=torch.long)).shape)}  # every rank: runs
+    if trainer.is_global_zero:
+        try:
+            module.eval()
+            module(torch.zeros(2, 9, dtype=torch.long))
+        except MissingRanksError as err:
+            out["error"] = str(err)
+    trainer.strategy.barrier()  # rank 1 waited here meanwhile
+    return out
+
+
 class MetaLM(pl.LightningModule):
     """Builds its network in configure_model: on the meta device under zero3."""
 

@@ -6,7 +6,14 @@ import pytest
 import torch
 from dist_utils import run_ranks
 from engine_cases import count_traffic, run_cases
-from lightning_cases import conditional_groups_case, fit_case, init_module_case, meta_init_case, uneven_eval_case
+from lightning_cases import (
+    conditional_groups_case,
+    fit_case,
+    init_module_case,
+    meta_init_case,
+    one_rank_forward_after_fit_case,
+    uneven_eval_case,
+)
 from parity import assert_16bit_close, assert_parity, state_err
 
 LINEAR = dict(wrap_modules=("Linear",), param_persistence_threshold=0)
@@ -137,6 +144,14 @@ def test_groups_that_run_on_some_ranks_only_fail_clearly_instead_of_training_on_
     # branches of equal shapes: their gathers pair up across ranks; the schedule check stops the fit a step later
     with pytest.raises(RuntimeError, match="gathered different parameter groups"):
         run_ranks(conditional_groups_case, 2, lightning=True, timeout=120)
+
+
+@pytest.mark.slow
+def test_a_forward_on_one_rank_after_fit_is_a_named_error_not_a_hang():
+    r0, r1 = run_ranks(one_rank_forward_after_fit_case, 2, lightning=True, timeout=120)
+    assert "outside the trainer's steps" in r0["error"] and "every rank must call it" in r0["error"]
+    assert "error" not in r1
+    assert r0["logits"] == r1["logits"] == (2, 9, 37)  # the same forward on every rank runs
 
 
 @pytest.mark.slow

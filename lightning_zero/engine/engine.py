@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import weakref
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any, Optional
 
 import torch
@@ -31,7 +31,7 @@ from ..partition import layout_unit, plan_buckets
 from .activation import apply_activation_checkpointing
 from .edits import EditWatch
 from .flat_unit import FlatUnit, UnitState
-from .gather import Gatherer
+from .gather import UNSCOPED_FORWARD, Gatherer
 from .grads import GradientReducer, ReducePolicy
 from .groups import build_needs, group_lookup, group_modules, members_of, owner_of
 from .guard import install_load_into_masters, install_state_dict_guard, note_placeholder_use
@@ -43,6 +43,7 @@ from .readiness import ForwardOrder
 from .schedule_check import GatherScheduleCheck
 from .speculation_trial import WINDOWS, SpeculationTrial, host_copy_seconds_per_byte, pays
 from .torch_clip import install as install_torch_clip
+from .weak import weakly
 
 __all__ = ["ZeroEngine", "dtype_of"]
 
@@ -225,13 +226,21 @@ class ZeroEngine:
         return Gatherer(build_needs(self.module, self.group_modules, unit_of), self.comm.sibling(), self.config.prefetch,
                         small, members_of(self.module, self.group_modules),
                         copy_stream=self.offloader.copy_stream if self.offloader is not None else None,
-                        schedule=GatherScheduleCheck(self.comm, self.device, lambda i: repr(self.units[i].names[0])))
+                        schedule=GatherScheduleCheck(self.comm, self.device, [u.names[0] for u in self.units]),
+                        on_unscoped_forward=weakly(self._meet_for_forward))  # weakly: no cycle through the hooks
+
+    def _meet_for_forward(self) -> None:
+        self.comm.rendezvous(UNSCOPED_FORWARD, self.config.rendezvous_timeout_s)
+
+    def forward_scope(self) -> Any:
+        """A forward every rank runs (the DeepSpeed-style engine's): stage 3 checks the ranks' gathers instead of
+        meeting first (see gather.py, [Note: forwards outside a step])."""
+        return self.gatherer.scope() if self.gatherer is not None else nullcontext()
 
     def check_gather_schedule(self, wait: bool = False) -> None:
-        """Stage 3, at the start of every step (and with ``wait`` at the end of a loop): did every rank gather the
-        same units? (see :mod:`lightning_zero.engine.schedule_check`)."""
-        if self.gatherer is not None and self.gatherer.schedule is not None:
-            self.gatherer.schedule.checkpoint(wait=wait)
+        """Stage 3: did every rank gather the same units? (:mod:`lightning_zero.engine.schedule_check`)."""
+        if self.gatherer is not None:
+            self.gatherer.check_schedule(wait)
 
     def _agree_order(self) -> Optional[list[int]]:
         """Rank 0's forward order becomes every rank's launch order (one broadcast, first backward)."""
@@ -265,7 +274,6 @@ class ZeroEngine:
         if self.gatherer is None:
             yield
             return
-        self.check_gather_schedule()
         with self.gatherer.hold(group, until_backward_end):
             try:
                 yield

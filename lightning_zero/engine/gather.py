@@ -53,7 +53,10 @@ from .flat_unit import FlatUnit, UnitState
 from .schedule_check import GatherScheduleCheck
 from .weak import weakly
 
-__all__ = ["Gatherer", "TrainingState"]
+__all__ = ["Gatherer", "TrainingState", "UNSCOPED_FORWARD"]
+
+UNSCOPED_FORWARD = ("A forward of the stage-3 module outside the trainer's steps (e.g. on rank 0 only after fit; its "
+                    "parameters are sharded, so it gathers them from every rank)")
 
 
 def _in_backward() -> bool:
@@ -147,13 +150,21 @@ class Gatherer:
             outside their group's forward, e.g. ``self.coder.encode(x)``).
         copy_stream: offload: the side stream host-to-device copies (and their gathers) run on.
         schedule: the check that every rank gathers the same units (see schedule_check).
+        on_unscoped_forward: called before a forward that user code runs outside a step.
     """
 
     def __init__(self, needs: dict[nn.Module, list[FlatUnit]], comm: Comm, prefetch: int, persistent: set[int],
                  members: Optional[dict[nn.Module, nn.Module]] = None, copy_stream: Optional[Any] = None,
-                 schedule: Optional[GatherScheduleCheck] = None) -> None:
+                 schedule: Optional[GatherScheduleCheck] = None, on_unscoped_forward: Optional[Any] = None) -> None:
         self.groups = {id(m): _Group(m, units) for m, units in needs.items()}
         self.schedule = schedule  # records every gather for the ranks' comparison (see schedule_check)
+        # [Note: forwards outside a step] A forward that user code runs itself (after fit, under `if
+        # trainer.is_global_zero:`) gathers too: a rank running it alone would wait in the all-gather until the
+        # collective timeout. Outside a step (``scopes``: the strategy's step, the DeepSpeed-style forward) the
+        # outermost group forward first calls ``on_unscoped_forward`` (a monitored barrier: a short, named error).
+        self.scopes = 0
+        self._running = 0  # group forwards running now (nested ones are inside the outermost)
+        self.on_unscoped_forward = on_unscoped_forward
         self.comm = comm
         self.prefetch = prefetch
         self.persistent = persistent
@@ -348,6 +359,9 @@ class Gatherer:
         if _in_backward():
             group.stack.append(self._recompute(group))
             return None
+        if not self.scopes and not self._running and self.on_unscoped_forward is not None:
+            self.on_unscoped_forward()  # user code calling the module itself: is every rank here?
+        self._running += 1
         self.pre_forward(group)
         if not torch.is_grad_enabled():
             group.stack.append(None)
@@ -387,6 +401,7 @@ class Gatherer:
             if call is not None and torch.is_grad_enabled():
                 self._release_after_nested_backward(call, args)
             return
+        self._running = max(self._running - 1, 0)
         self.post_forward(group)
         if call is None:
             return
@@ -417,6 +432,21 @@ class Gatherer:
                 self._acquire(unit)  # held until backward (or the evaluation step) ends
                 self._held_until_backward_end.append(unit)
 
+    def check_schedule(self, wait: bool = False) -> None:
+        """At the start of every step (``wait``: at the end of a loop): the ranks' gathers compared."""
+        if self.schedule is not None:
+            self.schedule.checkpoint(wait=wait)
+
+    @contextmanager
+    def scope(self) -> Iterator[None]:
+        """A step whose every rank runs the forward (see [Note: forwards outside a step])."""
+        self.check_schedule()
+        self.scopes += 1
+        try:
+            yield
+        finally:
+            self.scopes -= 1
+
     @contextmanager
     def hold(self, module: nn.Module, until_backward_end: bool) -> Iterator[None]:
         """Keep ``module``'s group gathered for a scope (a Lightning step of the root module).
@@ -424,12 +454,15 @@ class Gatherer:
         With ``until_backward_end`` (training) it stays gathered until the backward that
         follows has finished: the loss may use the root's parameters outside its forward.
         """
+        self.check_schedule()
         units = self.groups[id(module)].units
         for unit in units:
             self._acquire(unit)
+        self.scopes += 1
         try:
             yield
         finally:
+            self.scopes -= 1
             if until_backward_end:
                 self._held_until_backward_end.extend(units)
             else:

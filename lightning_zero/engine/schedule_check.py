@@ -14,7 +14,6 @@ once with the modules each gathered and the fix, before a second wrong step.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any, Optional
 
 import torch
@@ -36,11 +35,11 @@ class GatherScheduleCheck:
     Args:
         comm: the engine's group (every rank reaches each checkpoint: one per Lightning step).
         device: where that group's collectives run.
-        describe: unit index -> a short name for the error.
+        names: a parameter name of each unit, by unit index (for the error).
     """
 
-    def __init__(self, comm: Comm, device: torch.device, describe: Callable[[int], str]) -> None:
-        self.comm, self.device, self.describe = comm, device, describe
+    def __init__(self, comm: Comm, device: torch.device, names: list[str]) -> None:
+        self.comm, self.device, self.names = comm, device, names
         self.trace: list[int] = []
         self.checks = 0  # comparisons made (tests)
         self._pending: Optional[tuple[Any, torch.Tensor, Any, list[int]]] = None  # (handle, values, event, trace)
@@ -88,7 +87,7 @@ class GatherScheduleCheck:
 
     def _message(self, traces: list[list[int]]) -> str:
         first = next((i for i in range(max(map(len, traces))) if len({tuple(t[i:i + 1]) for t in traces}) > 1), 0)
-        seen = "; ".join(f"rank {r}: {len(t)} gathers, at #{first} {self.describe(t[first]) if first < len(t) else 'none'}"
+        seen = "; ".join(f"rank {r}: {len(t)} gathers, at #{first} {repr(self.names[t[first]]) if first < len(t) else 'none'}"
                          for r, t in enumerate(traces))
         return (f"lightning_zero stage 3: the ranks gathered different parameter groups in the same step ({seen}). "
                 f"Some group module ran on some ranks only (a mixture of experts whose experts are groups of their "
