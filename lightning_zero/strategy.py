@@ -622,7 +622,10 @@ class ZeroStrategy(ParallelStrategy):
         return self.config.checkpoint_format == "sharded" and self._state_engine is not None
 
     def _rendezvous(self, what: str) -> None:
-        """Entry check of a collective user code calls: a rank that never comes is an error, not a hang."""
+        """Entry check of a collective user code calls: a rank that never comes is an error, not a hang (named as the
+        user called it: inside a checkpoint's building that is trainer.save_checkpoint or ModelCheckpoint)."""
+        if self._dumping:
+            what = "trainer.save_checkpoint() (ModelCheckpoint calls it too)"
         self.comm.rendezvous(what, self.config.rendezvous_timeout_s)
 
     def memory_report(self) -> MemoryReport:

@@ -1,7 +1,7 @@
 """A 2-rank job in which something happens on one rank only, started the way users start one
 (``python script.py`` with ``Trainer(devices=2)``: Lightning launches rank 1 itself).
 
-    python tests/one_rank_job.py OUT {overflow|sharded|collective} STRATEGY
+    python tests/one_rank_job.py OUT {overflow|sharded|collective|save} STRATEGY
 
 - ``overflow``: fp16 with loss scaling; rank 1's loss is infinite at steps 2 and 3. After every
   step every rank builds ``trainer.strategy.lightning_module_state_dict()`` (DTensors; under fp16
@@ -12,6 +12,8 @@
   must get an error naming it, and every rank must end, not hang.
 - ``collective``: a callback on rank 0 only calls ``trainer.strategy.full_state_dict()``, a
   collective: rank 0 must get an error naming the rank that never came, not hang.
+- ``save``: rank 0 alone calls ``trainer.save_checkpoint``: the error names that call, not the strategy's
+  internals it goes through.
 
 Every rank writes ``rank{r}.pid`` when it starts and ``rank{r}.pt`` when it ends normally.
 """
@@ -74,6 +76,8 @@ class ReadOnRankZero(pl.Callback):
             trainer.strategy.full_state_dict()  # a collective under is_global_zero: an error, not a hang
         if self.scenario == "sharded":
             trainer.strategy.lightning_module_state_dict()  # the same: an error on rank 0, not a hang
+        if self.scenario == "save":
+            trainer.save_checkpoint(f"{trainer.default_root_dir}/one_rank.ckpt")  # named as the user called it
         parts = [(v.float() * 2).to_local() for v in state.values() if isinstance(v, DTensor)]
         assert parts and all(torch.isfinite(t).all() for t in parts)
         assert trainer.precision_plugin.loss_scale > 0

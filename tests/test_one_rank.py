@@ -73,7 +73,8 @@ def test_overflow_on_one_rank_is_skipped_everywhere_while_rank0_reads_state(over
 
 
 ERRORS = [(scenario, message, strategy) for scenario, message in
-          (("sharded", "lightning_module_state_dict()"), ("collective", "full_state_dict()"))
+          (("sharded", "lightning_module_state_dict()"), ("collective", "full_state_dict()"),
+           ("save", "trainer.save_checkpoint() (ModelCheckpoint"))
           for strategy in ("zero2", "zero3")]
 
 
