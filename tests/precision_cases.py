@@ -90,3 +90,40 @@ def two_optimizer_case(rank: int, world: int, strategy: str, fp16: bool = True) 
 
 def two_optimizer_many(rank: int, world: int, strategies: list[str], fp16: bool = True) -> dict:
     return {s: two_optimizer_case(rank, world, s, fp16) for s in strategies}
+
+
+class WindowSumLM(pl.LightningModule):
+    """A gradient of 1.5 per micro-batch, halved by accumulation 2 and scaled by 2**16: 49,152 per micro-batch
+    fits fp16, the window's sum (98,304) does not, and neither does the reduced average."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 1, bias=False)
+        self.applied: list = []
+
+    def training_step(self, batch, batch_idx):
+        return 1.5 * self.lin(batch[0]).float().sum()
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        if (batch_idx + 1) % 2 == 0:
+            self.applied.append(self.trainer.strategy.step_applied(self.optimizers().optimizer))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+
+def window_sum_case(rank: int, world: int, stage: int) -> dict:
+    """fp16 with accumulation 2 (see WindowSumLM): which steps were applied, and the final weight."""
+    assert lightning_zero
+    pl.seed_everything(0, verbose=False)
+    module = WindowSumLM()
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.ones(16, 4)), batch_size=1)
+    trainer = pl.Trainer(accelerator="cpu", devices=world, max_epochs=1, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, accumulate_grad_batches=2,
+                         strategy=f"zero{stage}", plugins=[ZeroPrecision("16-mixed")])
+    trainer.fit(module, data)
+    return {"applied": module.applied, "state": trained_state(trainer, module)}
+
+
+def window_sum_many(rank: int, world: int) -> dict:
+    return {stage: window_sum_case(rank, world, stage) for stage in (1, 2, 3)}

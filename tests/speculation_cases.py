@@ -24,6 +24,9 @@ CASES = {
     # rank 1 never uses one expert: the ranks step different units during backward
     "zero2_rank_expert_clips": ("zero2", dict(module="rank_expert", clip_val=0.5, options=dict(CPU, **SMALL_UNITS))),
     "zero2_rank_expert": ("zero2", dict(module="rank_expert", options=dict(CPU, **SMALL_UNITS))),
+    # value clipping: rank 1's expert unit holds no gradient at all (its shard released) when the clamp looks
+    "zero2_rank_expert_clips_by_value": ("zero2", dict(module="rank_expert", clip_val=0.02, clip_algo="value",
+                                                       options=dict(CPU, **SMALL_UNITS))),
     # speculative_step='auto' on a host whose copies are fast / slow on every rank / slow on rank 1 only
     "zero2_auto_fast_host": ("zero2", dict(accumulate=2, clip_val=0.5, options=AUTO, copy_cost=(0.0, 0.0))),
     "zero2_auto_slow_host": ("zero2", dict(accumulate=2, clip_val=0.5, options=AUTO, copy_cost=(1.0, 1.0))),

@@ -4,9 +4,10 @@ clipping, the overflow vote and the scale update happen once per backward, for b
 from __future__ import annotations
 
 import pytest
+import torch
 from dist_utils import run_ranks
 from parity import assert_parity, global_l2_err, loss_err
-from precision_cases import CLIP, SCALE, two_optimizer_many
+from precision_cases import CLIP, SCALE, two_optimizer_many, window_sum_many
 
 STAGES = ("zero1", "zero2", "zero3")
 
@@ -37,3 +38,14 @@ def test_two_optimizers_fp32_match_ddp():
     for rank in run_ranks(two_optimizer_many, 2, ["ddp", "zero2", "zero3"], False, lightning=True):
         assert_parity(rank["zero2"], rank["ddp"])
         assert_parity(rank["zero3"], rank["ddp"])
+
+
+@pytest.mark.slow
+def test_fp16_window_sums_beyond_fp16_are_reduced_without_overflow():
+    # stage 1 sums the window in fp32 and reduces once: that sum must not be cast to fp16 (DDP and stage 2 keep it
+    # in fp32); every stage steps every window and ends on the same weight
+    for rank in run_ranks(window_sum_many, 2, lightning=True):
+        for stage in (1, 2, 3):
+            assert rank[stage]["applied"] == [True] * 4, (stage, rank[stage]["applied"])
+        for key, value in rank[2]["state"].items():
+            assert torch.equal(rank[1]["state"][key], value) and torch.equal(rank[3]["state"][key], value), key

@@ -569,8 +569,8 @@ class ZeroEngine:
                          grads: Optional[list[torch.Tensor]] = None) -> None:
         grads = self.grads(optimizer) if grads is None else grads
         if self._speculating():  # undo the early steps of the units whose gradients the clamp changes
-            self.offloader.reject_speculation([u for u in self.offloader.speculated()
-                                               if bool(u.grad_shard.abs().amax() > clip_value)])
+            self.offloader.reject_speculation([u for u in self.offloader.speculated() if u.grad_shard is not None
+                                               and bool(u.grad_shard.abs().amax() > clip_value)])
         for g in grads:
             g.clamp_(-clip_value, clip_value)
 

@@ -103,6 +103,7 @@ class GradientReducer:
         self._reducible = [False] * n
         self._launched = [False] * n
         self._written: list[set[int]] = [set() for _ in range(n)]  # slots holding a gradient in grad_full
+        self._summed: set[int] = set()  # units whose grad_full added a second gradient into a slot
         self._cursor = 0
         self._in_backward = False
         self._inflight: deque = deque()
@@ -241,6 +242,7 @@ class GradientReducer:
         target = unit.grad_full[s.offset:s.end]
         if slot in self._written[unit.index]:
             target.add_(grad.reshape(-1))
+            self._summed.add(unit.index)
         else:
             target.copy_(grad.reshape(-1))
             self._written[unit.index].add(slot)
@@ -282,12 +284,20 @@ class GradientReducer:
                 if slot_index not in written:
                     full[slot.offset:slot.end].zero_()
         written.clear()
+        summed = unit.index in self._summed
+        self._summed.discard(unit.index)
         if not self._ordered:  # one rank: the buffer is the shard, in whatever dtype it accumulated
             out, handle = full, Handle()
         else:
             with record_function(f"zero/reduce_scatter[unit {unit.index}]"):
-                send = full if full.dtype == self.policy.reduce_dtype else full.to(self.policy.reduce_dtype)
-                send.div_(self.comm.world_size)  # pre-divide, as DDP does: keeps 16-bit sums in range
+                # [Note: sums in fp16] Pre-divide, as DDP does, before any cast: 16-bit sums stay in range. A buffer
+                # that summed several backwards in fp32 (stage 1's window) may hold more than fp16 can, where each
+                # backward's gradient fitted (DDP and stage 2 keep such sums in fp32): it is reduced in fp32.
+                dtype = self.policy.reduce_dtype
+                if summed and dtype == torch.float16 and full.dtype == torch.float32:
+                    dtype = torch.float32
+                full.div_(self.comm.world_size)
+                send = full if full.dtype == dtype else full.to(dtype)
                 out = torch.empty(unit.layout.shard_numel, dtype=send.dtype, device=send.device)
                 handle = self.comm.reduce_scatter(out, send, async_op=True)
         if not self.policy.overlap:
