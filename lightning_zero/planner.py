@@ -38,6 +38,7 @@ class Hardware:
     pcie_gbps: float = 51.0  # each way, GB/s
     cpu_step_params_per_s: float = 4.1e9  # fused CPU AdamW, whole node
     nvme_gbps: float = 1.5
+    device_name: str = "GPU"  # what a rank computes on ("CPU" in CPU training, where its memory is the host's)
 
     @property
     def world(self) -> int:
@@ -269,7 +270,7 @@ def choose(num_params: int, hw: Hardware, base: ZeroConfig, **kwargs: object) ->
                    + (f" (runner-up {_figures(row.runner_up, hw)})" if row.runner_up else ""))
         return row
     raise ValueError(
-        f"No placement fits {num_params / 1e9:.2f}B parameters on {hw.world} GPU(s) of {hw.gpu_bytes / GiB:.0f} GiB "
+        f"No placement fits {num_params / 1e9:.2f}B parameters on {hw.world} {hw.device_name}(s) of {hw.gpu_bytes / GiB:.0f} GiB "
         f"with {hw.host_bytes / GiB:.0f} GiB host memory and {hw.nvme_bytes / GiB:.0f} GiB NVMe per node: add GPUs "
         f"or nodes, give an nvme_path with room, or use activation checkpointing / a smaller micro-batch.")
 
@@ -291,7 +292,7 @@ def _allowed(option: ZeroConfig, keep: dict) -> bool:
 
 def _figures(row: Placement, hw: Hardware) -> str:
     step = _step_seconds(row)
-    return (f"{row.name}: {row.gpu_total / GiB:.1f} GiB of {hw.gpu_bytes / GiB:.0f} GiB GPU, {row.host / GiB:.1f} "
+    return (f"{row.name}: {row.gpu_total / GiB:.1f} GiB of {hw.gpu_bytes / GiB:.0f} GiB {hw.device_name}, {row.host / GiB:.1f} "
             f"GiB host per rank" + (f", {step:.2f} s a step ({row.bottleneck})" if step else ""))
 
 
@@ -321,7 +322,8 @@ def hardware_here(device: object, gpus_per_node: int, nodes: int, config: ZeroCo
 
     from .host_memory import read_host_budget
 
-    gpu = gpu_budget(device) if getattr(device, "type", "") == "cuda" else 0
+    gpu_side = getattr(device, "type", "") == "cuda"
+    gpu = gpu_budget(device) if gpu_side else 0
     budget = read_host_budget(gpus_per_node, returning=host_returning)
     host = max(0, budget.node_free - budget.headroom)  # the last bytes stay with the system (host_memory)
     path = config.nvme_path or os.environ.get("LIGHTNING_ZERO_NVME_PATH")
@@ -329,7 +331,7 @@ def hardware_here(device: object, gpus_per_node: int, nodes: int, config: ZeroCo
     if not gpu:  # CPU training: "device" memory is the host's, shared by the ranks of the node
         gpu = host // max(gpus_per_node, 1)
     return Hardware(gpus_per_node=gpus_per_node, nodes=nodes, gpu_bytes=int(gpu * (1 - activation_share)),
-                    host_bytes=host, nvme_bytes=nvme)
+                    host_bytes=host, nvme_bytes=nvme, device_name="GPU" if gpu_side else "CPU")
 
 
 def host_bytes_per_rank(num_params: int, config: ZeroConfig, world: int, compute_bytes: int, accumulate: int = 1,
@@ -353,13 +355,14 @@ def plan_for_run(module: Any, device: Any, gpus_per_node: int, nodes: int, confi
     numel = sum(p.numel() for p in module.parameters())
     kwargs = dict(compute_bytes=2 if compute_dtype != torch.float32 else 4, accumulate=accumulate)
     here = functools.partial(hardware_here, device, gpus_per_node, nodes, config, host_returning=host_returning)
+    where = "GPU" if getattr(device, "type", "") == "cuda" else "rank's share of the host"
     if measured is not None:
         choice = choose(numel, here(0.0), config, activations=measured, **kwargs)
         return [choice.config.to_dict(), f"{choice.why}; activations as measured in the first step: "
                                          f"{measured / GiB:.2f} GiB with the margin"]
     try:
         choice = choose(numel, here(ACTIVATION_SHARE), config, activations=activations, **kwargs)
-        note = f"{ACTIVATION_SHARE:.0%} of the GPU kept for activations until the first step measures them"
+        note = f"{ACTIVATION_SHARE:.0%} of the {where} kept for activations until the first step measures them"
     except ValueError:
         if getattr(device, "type", "") != "cuda":
             raise

@@ -403,3 +403,11 @@ def test_the_first_placement_is_freed_before_the_next_is_built(monkeypatch):
         gc.enable()
     assert seen["bytes"] >= 4 * WIDE_PARAMS  # the masters and the pieces viewing them
     assert seen["at_rebuild"] == (True, 0)
+
+
+def test_zero_auto_in_cpu_training_names_the_cpu_not_a_gpu():
+    """On a CPU-only machine the ranks compute in host memory: the plan's line says so, never "GPU"."""
+    config, why = planner.plan_for_run(torch.nn.Linear(8, 8), torch.device("cpu"), 1, 1,
+                                       lightning_zero.ZeroConfig(), torch.float32, 1)
+    assert "GPU" not in why and "GiB CPU" in why, why
+    assert lightning_zero.ZeroConfig.from_dict(config).stage == 2
