@@ -123,13 +123,14 @@ def hold_schedulers_on_skip(trainer: Any, module: Any, step_applied: Callable[[A
     return undo
 
 
-def checkpoint_readers(trainer: Any, module: Any) -> list[str]:
+def checkpoint_readers(trainer: Any, module: Any, users_only: bool = False) -> list[str]:
     """The hooks that see the checkpoint dict ``trainer.save_checkpoint`` builds: the module's and the
     callbacks' own ``on_save_checkpoint`` (Lightning's callbacks that have one, weight averaging and
-    pruning, read the state dict too)."""
+    pruning, read the state dict too; ``users_only`` leaves those out)."""
     import lightning.pytorch as pl
 
     readers = [f"{type(module).__name__}.on_save_checkpoint"] if _overridden("on_save_checkpoint", module,
                                                                               pl.LightningModule) else []
     return readers + [f"{type(c).__name__}.on_save_checkpoint" for c in trainer.callbacks
-                      if _overridden("on_save_checkpoint", c, pl.Callback)]
+                      if _overridden("on_save_checkpoint", c, pl.Callback)
+                      and not (users_only and type(c).__module__.startswith(("lightning.", "pytorch_lightning.")))]

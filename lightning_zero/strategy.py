@@ -283,6 +283,13 @@ class ZeroStrategy(ParallelStrategy):
                            f"live in the engine's shards. Log norms with self.trainer.strategy.grad_norm(2) (Lightning's "
                            f"grad_norm over every rank), read one with lightning_zero.utils.safe_get_full_grad(p) (on "
                            f"every rank), clip with self.clip_gradients(optimizer, ...) or torch.nn.utils.clip_grad_norm_ on every rank.")
+        if fitting and self._sharded_checkpoints and not lightning_io.module_state_is_local(engine, True):
+            hooks = lightning_loop.checkpoint_readers(trainer, self.lightning_module, users_only=True)
+            if hooks:
+                rank_zero_warn(f"lightning_zero: {', '.join(hooks)} see(s) each parameter in checkpoint['state_dict'] "
+                               f"as a DTensor sharded over the ranks (Shard(0)): a norm or sum of it read with float() "
+                               f"or .item() is this rank's part only. Read whole values with .full_tensor() on every "
+                               f"rank, or use checkpoint_format='full'.")
         if engine.offloader is not None:  # the host may step during backward only when nothing comes between
             blocker = (lightning_loop.overlap_blocker(trainer, self.lightning_module, optimizers)
                        if fitting else "not fitting")
@@ -696,8 +703,9 @@ class ZeroStrategy(ParallelStrategy):
         ``get_model_state_dict`` gives them: ``.full_tensor()``, ``.to_local()``, elementwise math and
         ``torch.distributed.checkpoint`` work as torch documents. Tied parameters are one object under each
         name. Buffers and parameters lightning_zero does not manage are plain tensors. On one rank, and under
-        stages 1/2 computing in fp32, the DTensors are views of the live values and building them runs no
-        collective (a callback may call it on one rank); otherwise every rank must call it (ZeRO's pieces are
+        stages 1/2 computing in fp32 (there ``Replicate``: a norm read on one rank is the parameter's own), the
+        DTensors are views of the live values and building them runs no collective (a callback may call it on
+        one rank); otherwise every rank must call it (ZeRO's pieces are
         not DTensor's row chunks: they are exchanged) and the DTensors are a host copy of this rank's share.
 
         ``checkpoint_format="full"``: the full fp32 state dict (stages 1/2 on every rank, stage 3 on rank 0

@@ -76,10 +76,13 @@ class _InspectState(Callback):
             weight = checkpoint["state_dict"]["fc1.weight"]
             moment = checkpoint["optimizer_states"][0]["state"]["fc1.weight"]["exp_avg"]
             self.seen["one_rank"] = {"type": type(weight).__name__, "local_sum": float((weight * 2).to_local().sum()),
+                                     "norm": float(weight.norm()), "placements": str(weight.placements),
                                      "moment_type": type(moment).__name__, "moment_shape": tuple(moment.shape)}
 
     def on_train_end(self, trainer, pl_module):
-        from torch.distributed.tensor import DTensor, Shard
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+
+        from lightning_zero.checkpoint.dtensors import model_state_is_local
 
         strategy = trainer.strategy
         full = strategy.full_state_dict(rank0_only=False)
@@ -90,12 +93,18 @@ class _InspectState(Callback):
         for name, value in sd.items():
             out["types"][name] = type(value).__name__
             if isinstance(value, DTensor):
-                assert value.placements == (Shard(0),) and value.shape == full[name].shape, name
+                # every rank holds the values whole (stages 1/2 in fp32, stage-3 units kept gathered): Replicate;
+                # else row chunks
+                whole = model_state_is_local(strategy.engine)
+                out["whole"] = whole
+                assert value.placements == ((Replicate(),) if whole else (Shard(0),)), (name, value.placements)
+                assert value.shape == full[name].shape, name
                 out["errors"][name] = float((value.full_tensor() - full[name]).abs().max())
                 out["local"][name] = tuple(value.to_local().shape)
                 doubled = (value * 2 + 1).full_tensor()  # elementwise math stays sharded, then gathers
                 out["errors"][name + "*2+1"] = float((doubled - (full[name] * 2 + 1)).abs().max())
         out["tied_same_object"] = sd["emb.weight"] is sd["head.weight"]
+        out["true_norm"] = float(full["fc1.weight"].norm())
         names = full_opt["lightning_zero"]["param_names"]
         out["opt_errors"] = {}
         for position, entry in full_opt["state"].items():
@@ -120,11 +129,16 @@ def dtensor_case(rank: int, world: int, d: str, stage: str, accelerator: str = "
     inspect = _InspectState(f"{d}/{stage}_inspect.ckpt")
     trainer = pl.Trainer(accelerator=accelerator, devices=world // nodes, num_nodes=nodes,
                          strategy=ZeroStrategy(stage=int(stage[-1]),
-                                               process_group_backend="gloo" if nodes > 1 else None),
+                                               process_group_backend="gloo" if nodes > 1 else None,
+                                               param_persistence_threshold=0),  # stage 3: every unit sharded
                          precision="32-true", max_steps=3, logger=False, enable_checkpointing=False,
                          callbacks=[inspect], enable_progress_bar=False, enable_model_summary=False,
                          num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False)
-    trainer.fit(module, dummy_loader())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(module, dummy_loader())
+    inspect.out["sharded_view_warned"] = any("_InspectState.on_save_checkpoint" in str(w.message)
+                                             and ".full_tensor()" in str(w.message) for w in caught)
     return inspect.out
 
 

@@ -40,6 +40,9 @@ WORLD4_PATTERNS = ("gpt_tied", "gan", "shared_loss", "lora", "backbone_ft", "moe
 # matrix's zero3 shards every group (placeholders: an error, tests/test_stage3.py) and offloaded masters are not
 # reached yet (README: "Editing parameters in place")
 EDIT_PATTERNS = ("weight_clip",)
+# zero_auto picks its placement at setup and may move after its first step: every pattern once (accumulation 2,
+# clipping on), in each precision the pattern runs in
+AUTO = "zero_auto"
 SLICES = 2
 FP32_TOL = 1e-5
 ROUNDING_FACTOR = 4.0  # measured over the 420 cells: ZeRO's distance from DDP at most 1.1x the nudged run's
@@ -83,6 +86,8 @@ def all_cells() -> list[Cell]:
                         cells.append(Cell(pattern, strategy, precision, accumulate, clip))
     cells += [Cell(pattern, strategy, "32-true", 2, True, world=4) for pattern in WORLD4_PATTERNS
               for strategy in STRATEGIES]
+    cells += [Cell(pattern, AUTO, precision, 2, True) for pattern in zoo.PATTERNS
+              for precision in (("32-true", "bf16-mixed") if pattern in zoo.BF16_PATTERNS else ("32-true",))]
     return cells
 
 
@@ -137,6 +142,8 @@ def make_strategy(name: str, stock_ddp: bool = False):
     if name == "ddp":
         cls = DDPStrategy if stock_ddp else WrapAllDDP
         return cls(find_unused_parameters=True)
+    if name == AUTO:
+        return ZeroStrategy(config=AUTO)
     stage = int(name[4])
     options = dict(stage=stage, reduce_bucket_size=1500)  # several units even for the small patterns
     if stage == 3:

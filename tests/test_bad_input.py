@@ -169,3 +169,35 @@ def test_strategy_takes_a_preset_name_or_refuses_at_once():
         with pytest.raises(ZeroConfigError, match=needle) as err:
             ZeroStrategy(bad)
         assert "\n" not in str(err.value)
+
+
+def test_a_sharded_optimizers_state_dict_names_the_consolidated_way():
+    """optimizer.state_dict() of an engine-wrapped optimizer is an error that names the call that does work
+    (full_optimizer_state_dict, a collective), and that call then gives the state."""
+    import lightning.pytorch as pl
+    import torch
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    import lightning_zero
+
+    seen = {}
+
+    class Read(pl.Callback):
+        def on_train_end(self, trainer, pl_module):
+            optimizer = trainer.optimizers[0]
+            with pytest.raises(RuntimeError) as caught:
+                optimizer.state_dict()
+            seen["message"] = str(caught.value)
+            seen["full"] = trainer.strategy.full_optimizer_state_dict(optimizer)
+
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=lightning_zero.ZeroStrategy(stage=2), max_steps=2,
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, callbacks=[Read()])
+    class WithAdam(BoringModel):
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=0.1)
+
+    trainer.fit(WithAdam())
+    assert "trainer.strategy.full_optimizer_state_dict(optimizer)" in seen["message"]
+    entries = list(seen["full"]["state"].values())
+    assert entries and all(torch.is_tensor(e["exp_avg"]) and float(e["step"]) == 2 for e in entries)

@@ -46,13 +46,17 @@ def read_four(written, ckpt_dir):
 
 @pytest.mark.parametrize("stage", ["zero1", "zero3"])
 def test_returned_state_is_dtensors_that_behave_as_torch_documents(tmp_path, stage):
-    for r in run_ranks(cases.dtensor_case, 2, str(tmp_path), stage, lightning=True, timeout=600):
+    for rank, r in enumerate(run_ranks(cases.dtensor_case, 2, str(tmp_path), stage, lightning=True, timeout=600)):
         assert set(r["types"].values()) == {"DTensor"}  # every parameter (frozen ones too: the engine holds them)
         assert max(r["errors"].values()) == 0.0  # full_tensor() and elementwise math equal the gathered values
         assert max(r["opt_errors"].values()) == 0.0  # exp_avg / exp_avg_sq / step as full_optimizer_state_dict
         assert r["tied_same_object"]
         assert r["group_params"][0][0] == "emb.weight"  # param groups name their parameters
-        assert r["local"]["emb.weight"] in ((19, 24), (18, 24))  # torch.chunk rows of the 37 x 24 embedding
+        # stage 1 (fp32): each rank's DTensor is the whole parameter (Replicate); stage 3: torch.chunk rows
+        assert r["whole"] == (stage == "zero1")
+        # a callback that sees the checkpoint dict is told, at setup, when the values there are row chunks
+        assert r["sharded_view_warned"] == (stage == "zero3" and rank == 0)
+        assert r["local"]["emb.weight"] in (((37, 24),) if stage == "zero1" else ((19, 24), (18, 24)))
         assert r["save_warnings"] == []  # no deprecation warning (no ShardedTensor) from a save
 
 
@@ -62,6 +66,9 @@ def test_a_callback_uses_the_checkpoint_dtensors_on_one_rank(tmp_path):
     seen = results[0]["one_rank"]
     assert seen["type"] == "DTensor" and seen["moment_type"] == "DTensor" and seen["moment_shape"] == (48, 24)
     assert seen["local_sum"] != 0.0
+    # a norm read on one rank is the parameter's own, as under DDP (of Shard(0) it would be rank 0's part)
+    assert seen["placements"] == "(Replicate(),)"
+    assert abs(seen["norm"] - results[0]["true_norm"]) <= 1e-6 * results[0]["true_norm"]
     assert results[1]["one_rank"] is None
 
 

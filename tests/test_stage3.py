@@ -206,6 +206,8 @@ def test_the_model_summary_counts_sharded_parameters_at_full_size(rich):
             summary_cb = next(c for c in trainer.callbacks if isinstance(c, ModelSummary))
             table = summary_cb._summary(trainer, pl_module)
             seen.update(sharded=sum(p.numel() for p in pl_module.parameters()), total=table.total_parameters,
+                        # counting code written for DeepSpeed's ZeRO-3 (PEFT, Hugging Face) reads ds_numel
+                        ds_counted=sum(p.ds_numel if p.numel() == 0 else p.numel() for p in pl_module.parameters()),
                         trainable=table.trainable_parameters, per_layer=dict(zip(table.layer_names, table.param_nums)))
 
     model = TinyLM()
@@ -220,6 +222,7 @@ def test_the_model_summary_counts_sharded_parameters_at_full_size(rich):
     assert seen["sharded"] < total  # the placeholders really are empty: the count below comes from the engine
     assert (seen["total"], seen["trainable"]) == (total, trainable)
     assert seen["per_layer"] == full
+    assert seen["ds_counted"] == total
 
 
 def _notes_of_failed_fit(module) -> str:

@@ -1,4 +1,5 @@
-"""The engine's sharded state as DTensors: ``Shard(0)`` of each parameter on a 1-D DeviceMesh.
+"""The engine's sharded state as DTensors: ``Shard(0)`` of each parameter on a 1-D DeviceMesh (``Replicate``
+where every rank holds the fp32 values whole: stages 1/2 computing in fp32).
 
 What ``strategy.lightning_module_state_dict()`` / ``optimizer_state()`` return in the sharded
 format, in the layout FSDP2 and ``torch.distributed.checkpoint.state_dict`` use (parameter
@@ -59,6 +60,18 @@ def _dtensor(comm: Comm, local: torch.Tensor, shape: torch.Size) -> Any:
     return DTensor.from_local(local.view(local_shape), mesh, placements, run_check=False, shape=shape, stride=strides)
 
 
+def _replicated(comm: Comm, full: torch.Tensor) -> Any:
+    """A DTensor every rank holds whole (``Replicate``): stages 1/2 in fp32, where each rank's parameter is the
+    master itself. A norm or a sum read on one rank then is the parameter's own, as under DDP (of a ``Shard(0)``
+    DTensor it would be a partial value that ``float()`` / ``.item()`` read without reducing), and
+    torch.distributed.checkpoint writes it once."""
+    if full.device.type == "cuda" and comm.backend == "gloo":  # see _dtensor
+        full = full.detach().to("cpu")
+    from torch.distributed.tensor import DTensor, Replicate
+
+    return DTensor.from_local(full, comm.mesh(full.device.type), [Replicate()], run_check=False)
+
+
 def _exchange(comm: Comm, unit: FlatUnit, slots: list[int], values: Callable[[int], Optional[torch.Tensor]],
               dtype: torch.dtype) -> dict[int, torch.Tensor]:
     """Every rank's ``Shard(0)`` chunk (flat) of each of ``slots``, from the pieces ``values(slot)``."""
@@ -114,15 +127,6 @@ def model_state_is_local(engine: ZeroEngine) -> bool:
     return engine.comm.world_size == 1 or all(_holds_fp32_values(u) for u in engine.units)
 
 
-def _local_chunks(comm: Comm, unit: FlatUnit) -> dict[int, torch.Tensor]:
-    out = {}
-    for slot, view in enumerate(unit.views):
-        if unit.layout.slots[slot].numel:
-            lo, hi = chunk_range(unit.shapes[slot], comm.rank, comm.world_size)
-            out[slot] = view.detach().reshape(-1)[lo:hi]
-    return out
-
-
 @torch.no_grad()
 def model_state(engine: ZeroEngine) -> dict[str, Any]:
     """The module's state dict: each managed parameter a DTensor of its fp32 master (every tied name the
@@ -133,14 +137,17 @@ def model_state(engine: ZeroEngine) -> dict[str, Any]:
     keys = keys_of(engine.module)
     managed: dict[str, Any] = {}
     local = model_state_is_local(engine)
+    replicated = local and engine.comm.world_size > 1  # every rank holds each parameter's fp32 values whole
     for unit in engine.units:
         slots = list(range(len(unit.params)))
-        if local and engine.comm.world_size > 1:
-            chunks = _local_chunks(engine.comm, unit)
+        if replicated:
+            chunks = {s: v.detach() for s, v in enumerate(unit.views) if unit.layout.slots[s].numel}
         else:
             chunks = _exchange(engine.comm, unit, slots, lambda s, u=unit: piece_values(u, s), torch.float32)
         for slot, param in enumerate(unit.params):
-            if slot in chunks:
+            if slot in chunks and replicated:
+                value = _replicated(engine.comm, chunks[slot])
+            elif slot in chunks:
                 value = _dtensor(engine.comm, chunks[slot], torch.Size(unit.shapes[slot]))
             else:  # a parameter without elements
                 value = param.detach()

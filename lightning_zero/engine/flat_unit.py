@@ -133,6 +133,10 @@ class FlatUnit:
                              for k in placeholder_ids]
         self.point_params_at_full()
         if not keep_full:
+            # the full size where counting code looks under DeepSpeed's ZeRO-3 (PEFT's and Hugging Face's
+            # trainable-parameter counts, DeepSpeed scripts): numel() of a placeholder is 0
+            for param, shape in zip(self.params, self.shapes):
+                param.ds_numel, param.ds_shape = shape.numel(), shape
             self.release_full()
 
     # ---- where the optimizer side lives (offload, NVMe, after fit) ------------------------------

@@ -199,7 +199,12 @@ def _ours(engine: ZeroEngine, n: int, w: int, k: float) -> float:
     p = torch.empty((), dtype=engine.compute_dtype).element_size()
     kept_full = not engine.config.shard_params
     master = 0 if kept_full and p == 4 else 4  # fp32 compute with a kept full buffer: the master is a view of it
-    per_rank = (master + 4 + k) * n / w  # fp32 master, fp32 gradient shard, optimizer state
+    # offloaded units: their fp32 master is a host copy whatever the compute dtype; in stage 3 without
+    # offload_params the device keeps a compute-dtype shard of them to gather from
+    off = engine.offloader.offloaded_numel / (sum(u.layout.shard_numel for u in engine.units) or 1) \
+        if engine.offloader is not None else 0.0
+    per_rank = ((master + 4 + k) * (1 - off) + (4 + 4 + k) * off) * n / w  # master, fp32 gradient shard, state
     if engine.config.shard_params:  # no 16-bit shard is kept: gathers cast the master
-        return per_rank
+        gather_source = p * off * n / w if engine.config.offload_params == "none" else 0.0
+        return per_rank + gather_source
     return per_rank + p * n  # stage 1's full gradients are gone by the step (see window_gradients)

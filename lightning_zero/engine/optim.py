@@ -163,8 +163,9 @@ def _never_stepped(optimizer: torch.optim.Optimizer) -> bool:
 def _no_state_dict(self: Any, *args: Any, **kwargs: Any) -> Any:
     raise RuntimeError(
         "This optimizer is sharded by lightning_zero: its state lives in pieces spread over the ranks. "
-        "Save and restore it with trainer.save_checkpoint / trainer.fit(ckpt_path=...), or "
-        "strategy.optimizer_state(optimizer) for the full, consolidated state.")
+        "Save and restore it with trainer.save_checkpoint / trainer.fit(ckpt_path=...); for the full, consolidated "
+        "state as the unsharded optimizer's state_dict() would give it, call "
+        "trainer.strategy.full_optimizer_state_dict(optimizer) on every rank (rank 0 gets it).")
 
 
 def lazy_state_bytes(optimizer: torch.optim.Optimizer, group: dict) -> int:
