@@ -12,9 +12,10 @@ and run the same batch under the new placement:
 - the measurement leaves room for a placement with less traffic (less offload) than the one the
   share allowed: that placement, planned with the measured activations plus a margin (one line).
 
-Only on one rank: with several, a rank out of memory inside a collective sequence (a stage-3
-gather, a gradient reduction) leaves the others waiting in it, so there the error stands, with the
-way out, and the first plan is kept.
+The measurement works on any number of ranks: every rank reads its peak, the largest counts, rank 0
+decides and every rank builds the new placement together. Out of memory only on one rank: with several,
+a rank out of memory inside a collective sequence (a stage-3 gather, a gradient reduction) leaves the
+others waiting in it, so there the error stands, with the way out, and the first plan is kept.
 """
 
 from __future__ import annotations
@@ -47,11 +48,10 @@ class Replanner:
         self.meter = PeakMeter()
         self.measured: Optional[int] = None  # activation bytes the first step used, once read
 
-    def possible(self, world_size: int, optimizers: list[Any]) -> bool:
+    def possible(self, optimizers: list[Any]) -> bool:
         from .engine.optim import unwrap
 
-        return (self.count < self.limit and world_size == 1
-                and not any(unwrap(o).state for o in optimizers))  # before the first step changed anything
+        return self.count < self.limit and not any(unwrap(o).state for o in optimizers)  # nothing changed yet
 
     def grow(self, error: BaseException) -> int:
         """The activation room to plan with now: what the failed allocation asked for, doubled at each

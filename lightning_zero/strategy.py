@@ -296,7 +296,7 @@ class ZeroStrategy(ParallelStrategy):
             speculate = lightning_loop.gradient_changers(trainer, self.precision_plugin.scaler is not None)
             if blocker is None and speculate:
                 blocker = engine.speculation_blocker(optimizers, self.num_processes)
-            if blocker is None and fitting and self._auto_config is not None and self.world_size == 1:
+            if blocker is None and fitting and self._auto_config is not None:
                 # zero_auto may still re-plan in its first step (replan.py): the masters must keep their initial
                 # values until then, so the host steps after backward once and overlaps from the second step on
                 self._overlap_after_first = (optimizers[0], speculate)
@@ -336,10 +336,15 @@ class ZeroStrategy(ParallelStrategy):
         log.info("lightning_zero zero_auto: %s", why)
         rank_zero_only(print)(f"lightning_zero zero_auto: {why}")
 
-    def _may_replan(self) -> bool:
+    def _may_probe(self) -> bool:
+        """zero_auto's first step, before anything changed: it may still measure and move (every rank together)."""
         return (self._auto_config is not None and self.engine is not None
                 and self.lightning_module.trainer.global_step == 0  # an optimizer without state stepped too
-                and self._replanner.possible(self.world_size, list(self.optimizers)))
+                and self._replanner.possible(list(self.optimizers)))
+
+    def _may_replan(self) -> bool:
+        """Out of GPU memory in the first step: one rank only (with several, the others wait in a collective)."""
+        return self.world_size == 1 and self._may_probe()
 
     def _replan(self, error: BaseException) -> None:
         """Out of GPU memory in the first step under zero_auto: plan again with room for what was asked, build
@@ -375,17 +380,39 @@ class ZeroStrategy(ParallelStrategy):
         return None if self._replanner.measured is None else self._replanner.planned_activations()
 
     def _probe_first_step(self) -> bool:
-        """After the first backward under zero_auto (one rank, automatic optimization): read the activation
-        memory it used; move to a placement with less traffic when the measurement leaves room for one, or to
-        one that fits when the running placement does not leave room for the activations and the optimizer
-        state still to come. True when the engine was rebuilt (the batch must run again); see replan.py."""
+        """After the first backward under zero_auto (automatic optimization): read the activation memory it used
+        (the largest over the ranks); move to a placement with less traffic when the measurement leaves room for
+        one, or to one that fits when the running placement does not leave room for the activations and the
+        optimizer state still to come. Rank 0 decides for every rank. True when the engine was rebuilt (the batch
+        must run again); see replan.py."""
+        if self._replanner.measured is not None:
+            return False
+        every = self.comm.all_gather_object(self._replanner.meter.read())
+        if any(m is None for m in every):
+            return False
+        self._replanner.measured = max(every)
+        config, level, message = self.comm.broadcast_object(
+            self._decide_after_probe() if self.global_rank == 0 else None, src=0)
+        if config is None:
+            (rank_zero_warn if level == "warn" else rank_zero_info)(message)
+            return False
+        self._release_engine()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        self.config = ZeroConfig.from_dict(config)
+        self.precision_plugin.configure(self.config, explicit=False)
+        self.model_to_device()
+        self._build_engine(self.lightning_module.trainer, fitting=True)
+        rank_zero_warn(message)
+        return True
+
+    def _decide_after_probe(self) -> tuple[Optional[dict], str, str]:
+        """(the placement to move to as a dict, or None to stay; "info" / "warn"; the line to say) for the
+        measured first step, on this rank's view of the machine."""
         from .host_memory import read_host_budget
         from .planner import fits_measured, lighter, placement_name, plan_for_run
 
-        measured = self._replanner.meter.read()
-        if measured is None or self._replanner.measured is not None:
-            return False
-        self._replanner.measured = measured
+        measured = self._replanner.measured
         trainer = self.lightning_module.trainer
         before, measured_gib = placement_name(self.config), f"{measured / 2**30:.2f} GiB"
         accumulate = int(trainer.accumulate_grad_batches or 1)
@@ -401,35 +428,25 @@ class ZeroStrategy(ParallelStrategy):
             found = None
         if found is None or (fits_now and not lighter(found, self.config)):
             if fits_now:
-                rank_zero_info(f"lightning_zero zero_auto: the first step used {measured_gib} for activations; "
-                               f"{before} stays")
-            else:
-                rank_zero_warn(f"lightning_zero zero_auto: the first step used {measured_gib} for activations, more "
-                               f"than {before} leaves room for beside the optimizer state its first step creates, "
-                               f"and no placement leaves enough: {before} stays and may run out of GPU memory "
-                               f"(a smaller micro-batch, activation checkpointing or more GPUs make room)")
-            return False
+                return None, "info", (f"lightning_zero zero_auto: the first step used {measured_gib} for "
+                                      f"activations; {before} stays")
+            return None, "warn", (f"lightning_zero zero_auto: the first step used {measured_gib} for activations, "
+                                  f"more than {before} leaves room for beside the optimizer state its first step "
+                                  f"creates, and no placement leaves enough: {before} stays and may run out of GPU "
+                                  f"memory (a smaller micro-batch, activation checkpointing or more GPUs make room)")
         module_bytes = 4 * sum(p.numel() for p in self.lightning_module.parameters())
         budget = read_host_budget(self.num_processes)
         if module_bytes + budget.headroom_per_rank > budget.per_rank:  # the switch hands the module back in host memory
-            say = rank_zero_info if fits_now else rank_zero_warn
-            say(f"lightning_zero zero_auto: the first step used {measured_gib} for activations, so "
+            return None, "info" if fits_now else "warn", (
+                f"lightning_zero zero_auto: the first step used {measured_gib} for activations, so "
                 f"{placement_name(found)} {'would fit' if fits_now else 'is needed'}, but moving there needs the "
                 f"fp32 module ({module_bytes / 2**30:.1f} GiB) in host memory and the host can give "
                 f"{budget.describe()}: {before} stays (name the placement to start with it)")
-            return False
-        self._release_engine()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-        self.config = found
-        self.precision_plugin.configure(self.config, explicit=False)
-        self.model_to_device()
-        self._build_engine(trainer, fitting=True)
         how = ("less than kept free" if fits_now else
                f"more than {before} leaves room for beside the optimizer state its first step creates")
-        rank_zero_warn(f"lightning_zero zero_auto: the first step used {measured_gib} for activations, {how}: "
-                       f"moved from {before} to {placement_name(self.config)} and ran the step again ({why})")
-        return True
+        return found.to_dict(), "warn", (f"lightning_zero zero_auto: the first step used {measured_gib} for "
+                                         f"activations, {how}: moved from {before} to {placement_name(found)} and "
+                                         f"ran the step again ({why})")
 
     def model_to_device(self) -> None:
         """Everything but the floating-point parameters, which the engine takes to the device unit by unit
@@ -477,7 +494,7 @@ class ZeroStrategy(ParallelStrategy):
         if self._host_recheck:
             self._host_recheck = False
             self._recheck_host_memory()
-        if not self._may_replan():
+        if not self._may_probe():
             self._step_args = None
             if self._overlap_after_first is not None:
                 self._overlap_from_now()
@@ -488,6 +505,8 @@ class ZeroStrategy(ParallelStrategy):
         try:
             return self._training_step(*args, **kwargs)
         except OOM as error:
+            if not self._may_replan():
+                raise
             while True:  # see replan.py
                 self._replan(error)
                 try:
@@ -506,11 +525,13 @@ class ZeroStrategy(ParallelStrategy):
             raise
 
     def _backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
-        if self._step_args is None or not self._may_replan():
+        if self._step_args is None or not self._may_probe():
             return super().backward(closure_loss, optimizer, *args, **kwargs)
         try:
             done = super().backward(closure_loss, optimizer, *args, **kwargs)
         except OOM as error:
+            if not self._may_replan():
+                raise
             del closure_loss
             self._replan(error)  # the forward's graph is gone with the old engine: run the batch again
             return self._run_batch_again(optimizer, *args, **kwargs)

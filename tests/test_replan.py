@@ -411,3 +411,18 @@ def test_zero_auto_in_cpu_training_names_the_cpu_not_a_gpu():
                                        lightning_zero.ZeroConfig(), torch.float32, 1)
     assert "GPU" not in why and "GiB CPU" in why, why
     assert lightning_zero.ZeroConfig.from_dict(config).stage == 2
+
+
+def test_the_measured_first_step_moves_every_rank_together():
+    """Two ranks: each reads its own first-step peak (rank 1's four times rank 0's); the largest counts, rank 0
+    decides, both move to zero2 and run the first batch again: the same training as zero2 from the start."""
+    import replan_cases
+    from dist_utils import run_ranks
+
+    for r in run_ranks(replan_cases.measured_on_two_ranks, 2, lightning=True, timeout=600):
+        assert r["first"] != "zero2"
+        assert r["config"]["stage"] == 2 and r["config"]["offload_optimizer"] == "none"
+        assert r["measured"] == USED
+        assert len(r["losses"]) == 5 and r["losses"][1:] == pytest.approx(r["reference_losses"], rel=1e-6)
+        for name, value in r["reference"].items():
+            assert torch.allclose(r["state"][name], value, rtol=1e-6, atol=1e-7), name
