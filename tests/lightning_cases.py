@@ -373,8 +373,9 @@ def conditional_groups_case(rank: int, world: int) -> dict:
     return {}
 
 
-def one_rank_forward_after_fit_case(rank: int, world: int) -> dict:
-    """After a stage-3 fit rank 0 alone runs the module (a quick look under `if trainer.is_global_zero:`)."""
+def one_rank_forward_after_fit_case(rank: int, world: int, member: bool = False) -> dict:
+    """After a stage-3 fit rank 0 alone runs the module (a quick look under `if trainer.is_global_zero:`);
+    ``member``: only a module of the root group, called by itself (as generate() calls an embedding or a head)."""
     from lightning_zero.collectives import MissingRanksError
 
     pl.seed_everything(0, verbose=False)
@@ -389,7 +390,7 @@ def one_rank_forward_after_fit_case(rank: int, world: int) -> dict:
     if trainer.is_global_zero:
         try:
             module.eval()
-            module(torch.zeros(2, 9, dtype=torch.long))
+            (module.emb if member else module)(torch.zeros(2, 9, dtype=torch.long))
         except MissingRanksError as err:
             out["error"] = str(err)
     trainer.strategy.barrier()  # rank 1 waited here meanwhile

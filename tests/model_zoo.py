@@ -148,6 +148,8 @@ def zoo_strategy(name: str, kind: str = "plain", backend: str | None = None, **o
         from lightning.pytorch.strategies import DDPStrategy
 
         return DDPStrategy(process_group_backend=backend, find_unused_parameters="unused" in name)
+    if name == "zero_auto":
+        return ZeroStrategy(config=name, process_group_backend=backend, **options)
     stage = int(name[-1])
     if stage == 3:  # MoE: the layer that always runs is the group, not each expert
         options.setdefault("wrap_modules", ("Block", "MoE") if kind == "moe" else ("Block",))
@@ -183,6 +185,8 @@ def fit_zoo(rank: int, world: int, kind: str, strategy: str, probe: bool = False
     trainer.fit(module, zoo_data())
     out = {"losses": module.losses, "global_step": trainer.global_step,
            "state": trained_state(trainer, module)}
+    replanner = getattr(trainer.strategy, "_replanner", None)
+    out["measured"] = replanner.measured if replanner is not None else None  # zero_auto's first-step figure
     if one_gpu:
         out["val"] = trainer.validate(module, zoo_data(16), verbose=False)[0]
     if probe:

@@ -42,6 +42,7 @@ def _runs() -> dict:
     runs[("stem", "zero2", "no_overlap")] = (("stem", "zero2"), dict(options=dict(overlap_comm=False)))
     for key, (args, kwargs) in OFFLOAD.items():
         runs[key] = (args, kwargs)
+    runs[("plain", "zero_auto", "fp32")] = (("plain", "zero_auto"), {})
     return runs
 
 
@@ -120,3 +121,11 @@ def test_16bit_offload_same_as_on_device(results, key, ref):
     # differently from the CUDA one and a 16-bit parameter flips an ulp now and then (measured 3.2e-5)
     for rank in results:
         assert global_l2_err(rank[key]["state"], rank[ref]["state"]) < 1e-4
+
+
+def test_zero_auto_two_ranks_one_gpu_measures_together_and_matches_ddp(results):
+    # each rank reads its CUDA peak in the first step; both plan with the same (largest) figure
+    figures = [rank[("plain", "zero_auto", "fp32")]["measured"] for rank in results]
+    assert figures[0] is not None and figures[0] > 0 and len(set(figures)) == 1, figures
+    for rank in results:
+        assert_parity(rank[("plain", "zero_auto", "fp32")], rank[("plain", REF, "fp32")])

@@ -147,8 +147,9 @@ def test_groups_that_run_on_some_ranks_only_fail_clearly_instead_of_training_on_
 
 
 @pytest.mark.slow
-def test_a_forward_on_one_rank_after_fit_is_a_named_error_not_a_hang():
-    r0, r1 = run_ranks(one_rank_forward_after_fit_case, 2, lightning=True, timeout=120)
+@pytest.mark.parametrize("member", [False, True], ids=["module", "member_alone"])
+def test_a_forward_on_one_rank_after_fit_is_a_named_error_not_a_hang(member):
+    r0, r1 = run_ranks(one_rank_forward_after_fit_case, 2, member, lightning=True, timeout=120)
     assert "outside the trainer's steps" in r0["error"] and "every rank must call it" in r0["error"]
     assert "error" not in r1
     assert r0["logits"] == r1["logits"] == (2, 9, 37)  # the same forward on every rank runs

@@ -427,6 +427,9 @@ class Gatherer:
         group = self._group_of[id(module)]
         if group.forwards or _in_backward():
             return  # the usual path: inside its group's forward (or a recomputation in backward)
+        if not self.scopes and not self._running and self.on_unscoped_forward is not None \
+                and any(unit not in self._held_until_backward_end for unit in group.units):
+            self.on_unscoped_forward()  # user code (generate(), a head called alone): is every rank here?
         for unit in group.units:
             if unit not in self._held_until_backward_end:
                 self._acquire(unit)  # held until backward (or the evaluation step) ends
