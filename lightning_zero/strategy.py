@@ -802,6 +802,8 @@ class ZeroStrategy(ParallelStrategy):
             engine.park()
             self._parked, self.engine = engine, None
         elif engine is not None:
+            if getattr(self.precision_plugin, "mixed", False):
+                engine.compute_in_fp32()  # user code after fit sees fp32 parameters, as under DDP
             process_group.keep_engine(engine)  # a later Trainer given this module unshards it first
         super().teardown()  # moves the module (and the optimizer state) to the CPU, as under DDP
         if self._parked is not None:

@@ -64,3 +64,16 @@ def test_a_new_trainer_takes_over_a_module_left_sharded(runs):
     for r in runs:
         case = r[(3, "32-true")]
         assert case["refit_steps"] == 5 and case["refit_state_ok"]
+
+
+@pytest.mark.parametrize("kept", ["sharded", "persistent"])
+def test_stage3_in_mixed_precision_hands_user_code_the_fp32_model(runs, kept):
+    """After a bf16-mixed fit the module's parameters are fp32 as under DDP: a forward outside the trainer computes
+    with the trained fp32 weights (no dtype error), and a model kept gathered gives its fp32 state_dict."""
+    for r in runs:
+        case = r[(3, "bf16-mixed", "persistent")] if kept == "persistent" else r[(3, "bf16-mixed")]
+        assert case["param_dtypes"] == ["torch.float32"]
+        assert torch.allclose(case["logits"], case["plain_logits"], rtol=1e-5, atol=1e-6)
+        if kept == "persistent":
+            for key, value in case["full"].items():
+                assert case["module_state"][key].dtype == torch.float32 and torch.equal(case["module_state"][key], value)

@@ -774,6 +774,16 @@ class ZeroEngine:
         for unit in self.units:
             unit.park()
 
+    @torch.no_grad()
+    def compute_in_fp32(self) -> None:
+        """After a stage-3 fit in mixed precision: the module's parameters are fp32 again, as DDP's are (the
+        persistent units hold their masters' values, every gather outside the trainer gives fp32), so user code
+        after fit reads and runs the trained fp32 model. A collective. NVMe masters stay as they are."""
+        if self.gatherer is None or self.compute_dtype == torch.float32 or self.config.offload_optimizer == "nvme":
+            return
+        self.settle()
+        self.gatherer.gather_in(torch.float32)
+
     def drop_full(self) -> None:
         """Forget the flat compute buffers once the module holds its parameters elsewhere (after park)."""
         for unit in self.units:

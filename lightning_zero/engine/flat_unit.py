@@ -210,6 +210,21 @@ class FlatUnit:
             self.state = UnitState.SHARDED
         self.forget_edits()  # from here an in-place edit of a placeholder bumps its parameter's version
 
+    def compute_in(self, dtype: torch.dtype) -> None:
+        """Stage 3, sharded: gathers give ``dtype`` values of the fp32 master from now on, without a
+        compute-dtype shard (after a fit in mixed precision the module computes in fp32 outside the trainer,
+        as DDP's module does)."""
+        assert self.state is UnitState.SHARDED and not self.storage_alive, "compute_in needs a sharded unit"
+        self.compute_dtype = dtype
+        self.full = torch.empty(self.layout.padded_numel, dtype=dtype, device=self.device)
+        self.views = self.param_views(self.full)  # views before the storage goes (they check its size)
+        self.free_storage()
+        self.placeholders = [torch.empty(p.shape, dtype=dtype, device=p.device) for p in self.placeholders]
+        self.param_shard, self.after_param_io = None, None
+        for param, placeholder in zip(self.params, self.placeholders):
+            param.data = placeholder
+        self.forget_edits()
+
     def alloc_storage(self) -> None:
         storage = self.full.untyped_storage()
         if storage.nbytes() == 0:

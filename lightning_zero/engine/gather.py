@@ -280,6 +280,22 @@ class Gatherer:
             if unit.state is UnitState.SHARDED and self.slots[unit.index].holders == 0:
                 self._reshard(unit)
 
+    def gather_in(self, dtype: torch.dtype) -> None:
+        """Every unit's gathers give ``dtype`` from now on (see FlatUnit.compute_in); the persistent units are
+        gathered again at once (a collective: every rank calls it)."""
+        self.drop_prefetches()
+        for slot in self.slots.values():
+            if slot.pending is not None:
+                self._wait(slot.unit)
+            slot.holders = 0
+            if slot.unit.state is UnitState.UNSHARDED or slot.unit.storage_alive:
+                slot.unit.release_full()
+            slot.unit.compute_in(dtype)
+        self._held_until_backward_end.clear()
+        for slot in self.slots.values():
+            if slot.unit.index in self.persistent:
+                self._acquire(slot.unit)
+
     def drop_prefetches(self) -> None:
         while self._prefetched:
             self._drop(self._prefetched.popleft())
