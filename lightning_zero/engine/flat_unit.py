@@ -215,10 +215,7 @@ class FlatUnit:
         compute-dtype shard (after a fit in mixed precision the module computes in fp32 outside the trainer,
         as DDP's module does)."""
         assert self.state is UnitState.SHARDED and not self.storage_alive, "compute_in needs a sharded unit"
-        self.compute_dtype = dtype
-        self.full = torch.empty(self.layout.padded_numel, dtype=dtype, device=self.device)
-        self.views = self.param_views(self.full)  # views before the storage goes (they check its size)
-        self.free_storage()
+        self.compute_dtype = dtype  # the buffer of that dtype comes with the next gather (alloc_storage)
         self.placeholders = [torch.empty(p.shape, dtype=dtype, device=p.device) for p in self.placeholders]
         self.param_shard, self.after_param_io = None, None
         for param, placeholder in zip(self.params, self.placeholders):
@@ -226,6 +223,10 @@ class FlatUnit:
         self.forget_edits()
 
     def alloc_storage(self) -> None:
+        if self.full.dtype != self.compute_dtype:  # after compute_in: a buffer of the new dtype, and its views
+            self.full = torch.empty(self.layout.padded_numel, dtype=self.compute_dtype, device=self.device)
+            self.views = self.param_views(self.full)
+            return
         storage = self.full.untyped_storage()
         if storage.nbytes() == 0:
             storage.resize_(self.full_bytes)
