@@ -180,8 +180,13 @@ class ZeroModelEngine(nn.Module):
 
     # ---- training ------------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        # DDP's buffer rule needs to know at the forward whether this micro-batch ends its window (Lightning's
+        # loop runs the forward inside no_sync; here only backward is), and evaluation forwards follow it too
         if self.module.training:
-            self.zero.before_training_forward()
+            with nullcontext() if self.is_gradient_accumulation_boundary() else self.zero.no_sync():
+                self.zero.before_training_forward()
+        else:
+            self.zero.before_eval_forward()
         context = (torch.autocast(self.device.type, dtype=self.compute_dtype)
                    if self.compute_dtype != torch.float32 else nullcontext())
         with context, self.zero.forward_scope():

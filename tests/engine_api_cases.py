@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -85,3 +87,41 @@ def engine_run(rank: int, world: int, zero: dict, micro_batches: int, save_at: i
         for name, view in zip(unit.names, unit.param_views(full)):
             state[name] = view.detach().cpu().clone()
     return {"state": state, "losses": losses, "steps": engine.global_steps, "lr": opt.param_groups[0]["lr"]}
+
+
+def batchnorm_buffers_case(rank: int, world: int, stage: int) -> dict:
+    """BatchNorm under the engine API with accumulation 2 and an evaluation forward after every micro-batch,
+    beside DDP (no_sync on a window's earlier micro-batches): each rank's running statistics and evaluation
+    outputs, micro-batch by micro-batch."""
+    import lightning_zero as deepspeed
+
+    def model():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 1))
+
+    accumulate = 2
+    xs = [torch.randn(6, 4, generator=torch.Generator().manual_seed(10 * i + rank)) for i in range(4)]
+    ddp = DDP(model())
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    engine, *_ = deepspeed.initialize(model=model(), config={
+        "train_micro_batch_size_per_gpu": 6, "gradient_accumulation_steps": accumulate,
+        "zero_optimization": {"stage": stage}, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    out = {"mean_err": [], "eval_err": []}
+    for i, x in enumerate(xs):
+        boundary = (i + 1) % accumulate == 0
+        with ddp.no_sync() if not boundary else contextlib.nullcontext():
+            (ddp(x).pow(2).mean() / accumulate).backward()
+        if boundary:
+            opt.step()
+            opt.zero_grad()
+        loss = engine(x).pow(2).mean()
+        engine.backward(loss)
+        engine.step()
+        ddp.eval()
+        engine.eval()
+        with torch.no_grad():
+            out["eval_err"].append(float((ddp(x) - engine(x)).abs().max()))
+        ddp.train()
+        engine.train()
+        out["mean_err"].append(float((ddp.module[1].running_mean - engine.module[1].running_mean).abs().max()))
+    return out

@@ -44,3 +44,13 @@ def test_engine_checkpoint_resumes_across_stages(world2):
     for r in world2:
         err = max(rel_err(r["resumed"]["state"][k], r["zero2"]["state"][k]) for k in r["zero2"]["state"])
         assert err <= 1e-5 and r["resumed"]["steps"] == 8 and r["resumed"]["lr"] == r["zero2"]["lr"]
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_engine_buffers_follow_ddp_with_accumulation_and_evaluation(stage):
+    # DDP's rule: rank 0's buffers go out before the forward that follows a window's last micro-batch, and before
+    # an evaluation forward after it; rank 1's BatchNorm statistics and evaluation outputs match DDP's throughout
+    from engine_api_cases import batchnorm_buffers_case
+
+    for r in run_ranks(batchnorm_buffers_case, 2, stage):
+        assert max(r["mean_err"]) <= 1e-6 and max(r["eval_err"]) <= 1e-6, r
