@@ -227,8 +227,9 @@ def import_deepspeed_config(source: Union[str, Path, dict], base: Optional[ZeroC
     _check_objects(loaded)
     ds = _normalize(loaded, notes)
     unmapped: list[str] = []
+    by_lower = {k.lower(): k for k in TOP_KEYS}  # "FP16", "Bf16": DeepSpeed's keys are lower case
     for key in sorted(set(ds) - TOP_KEYS - TOP_UNMAPPED):  # a misspelt section would silently change the run
-        close = difflib.get_close_matches(key, sorted(TOP_KEYS), n=1, cutoff=0.8)
+        close = [by_lower[k] for k in difflib.get_close_matches(key.lower(), sorted(by_lower), n=1, cutoff=0.75)]
         if close and close[0] not in ds:
             raise DeepSpeedConfigError(f"'{key}' is not a DeepSpeed key — did you mean '{close[0]}'? As written the "
                                        f"section would be ignored.")

@@ -12,6 +12,9 @@ import types
 from collections.abc import Callable
 from typing import Any, Optional
 
+import torch
+from torch.optim.lr_scheduler import LRScheduler
+
 from .config import ZeroConfig
 from .ds_config import (
     DeepSpeedConfigError,
@@ -43,19 +46,33 @@ def resolve(config: Optional[ZeroConfig], deepspeed_config: Any, options: dict[s
     return (base.replace(**options) if options else base), ds
 
 
+def _made(given: Any, argument: Any, name: str, what: str, kind: str) -> Any:
+    """DeepSpeed's rule for ``optimizer=`` / ``lr_scheduler=``: an object is used as it is, a callable (a class
+    included) is called with ``what``. An object that only looks like one (it has a ``step``) stays as given."""
+    if not callable(given) or (hasattr(given, "step") and not isinstance(given, type)):
+        return given
+    try:
+        made = given(argument)
+    except TypeError as err:
+        raise ValueError(f"lightning_zero.initialize: {name}={getattr(given, '__name__', given)!r} is called with "
+                         f"{what} (DeepSpeed's rule for a callable) and failed: {err}. Pass a built {kind}, or a "
+                         f"callable of {what} alone (functools.partial / a lambda fixing the other arguments).") from err
+    return made
+
+
 def optimizer_and_scheduler(ds: DeepSpeedImport, params: Any, optimizer: Any = None,
                             lr_scheduler: Any = None) -> tuple[Any, Any]:
     """The optimizer and scheduler of a run: the caller's (objects, or callables taking the parameters /
     the optimizer) over the file's."""
-    if callable(optimizer) and not hasattr(optimizer, "step"):
-        optimizer = optimizer(params)
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        optimizer = _made(optimizer, params, "optimizer", "the model's parameters", "torch.optim.Optimizer")
     if optimizer is None:
         if ds.optimizer is None:
             raise ValueError("lightning_zero.initialize needs an optimizer: pass optimizer=... or put an \"optimizer\" "
                              "section in the config.")
         optimizer = build_optimizer(ds.optimizer, params)
-    if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
-        lr_scheduler = lr_scheduler(optimizer)
+    if lr_scheduler is not None and not isinstance(lr_scheduler, LRScheduler):
+        lr_scheduler = _made(lr_scheduler, optimizer, "lr_scheduler", "the optimizer", "LRScheduler")
     if lr_scheduler is None and ds.scheduler is not None:
         from .ds_schedules import build_scheduler
 

@@ -201,3 +201,30 @@ def test_a_sharded_optimizers_state_dict_names_the_consolidated_way():
     assert "trainer.strategy.full_optimizer_state_dict(optimizer)" in seen["message"]
     entries = list(seen["full"]["state"].values())
     assert entries and all(torch.is_tensor(e["exp_avg"]) and float(e["step"]) == 2 for e in entries)
+
+
+def test_initialize_calls_an_optimizer_class_and_names_a_scheduler_class_that_needs_more():
+    """DeepSpeed's rule: optimizer=/lr_scheduler= callables (classes included) are called with the parameters /
+    the optimizer; one that needs more arguments is a one-line error naming partial, not an AttributeError."""
+    import functools
+
+    import torch
+
+    import lightning_zero
+
+    config = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 2}}
+    model = torch.nn.Linear(8, 2)
+    engine, optimizer, _, _ = lightning_zero.initialize(model=model, model_parameters=model.parameters(),
+                                                        optimizer=torch.optim.AdamW, config=config)
+    assert isinstance(optimizer, torch.optim.AdamW)
+    engine.backward(engine(torch.randn(4, 8)).pow(2).mean())
+    engine.step()
+    model = torch.nn.Linear(8, 2)
+    with pytest.raises(ValueError, match=r"lr_scheduler='StepLR' is called with the optimizer .*step_size.*partial"):
+        lightning_zero.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                  lr_scheduler=torch.optim.lr_scheduler.StepLR, config=config)
+    model = torch.nn.Linear(8, 2)
+    _, _, _, scheduler = lightning_zero.initialize(
+        model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), config=config,
+        lr_scheduler=functools.partial(torch.optim.lr_scheduler.StepLR, step_size=1))
+    assert isinstance(scheduler, torch.optim.lr_scheduler.StepLR)

@@ -320,3 +320,11 @@ def test_values_of_the_wrong_type_are_named(ds, needle):
     with pytest.raises(DeepSpeedConfigError) as err:
         import_deepspeed_config(ds)
     assert needle in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("key,meant", [("Fp16", "fp16"), ("FP16", "fp16"), ("fp61", "fp16"), ("BF16", "bf16"),
+                                       ("Zero_Optimization", "zero_optimization")])
+def test_a_precision_or_zero_section_misspelt_or_in_capitals_is_refused(key, meant):
+    # as written DeepSpeed ignores the section: the run would train in fp32 (or without its ZeRO settings)
+    with pytest.raises(DeepSpeedConfigError, match=f"'{key}' is not a DeepSpeed key — did you mean '{meant}'"):
+        import_deepspeed_config({key: {"enabled": True} if meant != "zero_optimization" else {"stage": 2}})
