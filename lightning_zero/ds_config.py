@@ -419,8 +419,11 @@ def build_optimizer(spec: dict[str, Any], params: Any) -> Any:
         p["betas"] = tuple(p["betas"])
     try:
         return getattr(torch.optim, kind)(params, **p)
-    except TypeError as err:
-        raise DeepSpeedConfigError(f"DeepSpeed optimizer {spec['type']} params {sorted(spec['params'])}: {err}.") from None
+    except (TypeError, ValueError, IndexError) as err:  # torch's own check of a value ("Invalid learning rate"), a
+        # betas list of one ("tuple index out of range"): the section and its values name what to fix
+        raise DeepSpeedConfigError(f"DeepSpeed optimizer {spec['type']} with params {spec['params']} is refused by "
+                                   f"torch.optim.{kind}: {err or type(err).__name__}. Fix the optimizer.params values "
+                                   f"(betas takes two numbers, lr a positive number).") from None
 
 
 def resolve_batch(tbs: Optional[int], mbs: Optional[int], gas: Optional[int], world: int

@@ -39,6 +39,13 @@ def as_config(config: Any) -> Optional[ZeroConfig]:
     """What ``ZeroStrategy(config=...)`` accepts: a ZeroConfig, a strategy name or a dict of ZeroConfig fields."""
     if config is None or isinstance(config, ZeroConfig):
         return config
+    looks_deepspeed = (isinstance(config, str) and config.endswith(".json")) or hasattr(config, "__fspath__") or (
+        isinstance(config, dict) and any(k in config for k in ("zero_optimization", "train_batch_size",
+                                                               "train_micro_batch_size_per_gpu", "fp16", "bf16")))
+    if looks_deepspeed:  # Lightning's DeepSpeedStrategy takes the JSON as config=
+        raise ZeroConfigError(f"ZeroStrategy(config=...) got a DeepSpeed config ({str(config)[:80]}): pass it as "
+                              f"ZeroStrategy(deepspeed_config=...) (a path or a dict; on the command line "
+                              f"strategy=deepspeed strategy.deepspeed_config=PATH).")
     if isinstance(config, str):
         return preset_config(config)
     if isinstance(config, dict):

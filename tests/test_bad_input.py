@@ -228,3 +228,12 @@ def test_initialize_calls_an_optimizer_class_and_names_a_scheduler_class_that_ne
         model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), config=config,
         lr_scheduler=functools.partial(torch.optim.lr_scheduler.StepLR, step_size=1))
     assert isinstance(scheduler, torch.optim.lr_scheduler.StepLR)
+
+
+@pytest.mark.parametrize("config", ["ds_config.json", {"zero_optimization": {"stage": 3}}])
+def test_a_deepspeed_config_given_as_config_names_deepspeed_config(config):
+    # Lightning's DeepSpeedStrategy(config=...) takes the JSON; here it is deepspeed_config=
+    import lightning_zero
+
+    with pytest.raises(lightning_zero.ZeroConfigError, match=r"pass it as ZeroStrategy\(deepspeed_config=\.\.\.\)"):
+        lightning_zero.ZeroStrategy(config=config)

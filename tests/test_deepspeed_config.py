@@ -328,3 +328,12 @@ def test_a_precision_or_zero_section_misspelt_or_in_capitals_is_refused(key, mea
     # as written DeepSpeed ignores the section: the run would train in fp32 (or without its ZeRO settings)
     with pytest.raises(DeepSpeedConfigError, match=f"'{key}' is not a DeepSpeed key — did you mean '{meant}'"):
         import_deepspeed_config({key: {"enabled": True} if meant != "zero_optimization" else {"stage": 2}})
+
+
+@pytest.mark.parametrize("params,needle", [({"lr": 1e-3, "betas": [0.9]}, "tuple index out of range"),
+                                           ({"lr": -1}, "Invalid learning rate: -1")])
+def test_optimizer_values_torch_refuses_name_the_section(params, needle):
+    from lightning_zero.ds_config import build_optimizer
+
+    with pytest.raises(DeepSpeedConfigError, match=f"refused by torch.optim.AdamW: {needle}.*optimizer.params"):
+        build_optimizer({"type": "AdamW", "params": params}, [torch.nn.Parameter(torch.zeros(2))])
