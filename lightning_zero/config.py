@@ -46,6 +46,8 @@ class ZeroConfig:
         initial_scale_power: the dynamic scale starts at 2**initial_scale_power.
         loss_scale_window: clean steps after which the dynamic scale doubles.
         hysteresis: overflows tolerated before the scale is halved (reset when the scale grows).
+        consecutive_hysteresis: the tolerance is restored after every step without overflow (DeepSpeed's
+            ``fp16.consecutive_hysteresis``): only consecutive overflows halve the scale.
         min_loss_scale: the scale never goes below this; an overflow at it is an error.
         wrap_modules: stage 3: class names of the modules that form one gathered group each
             (e.g. ``["Block"]``); empty selects groups by size (``min_group_params``).
@@ -117,6 +119,7 @@ class ZeroConfig:
     initial_scale_power: int = 16
     loss_scale_window: int = 1000
     hysteresis: int = 2
+    consecutive_hysteresis: bool = False
     min_loss_scale: float = 1.0
     wrap_modules: tuple[str, ...] = ()
     min_group_params: int = 10_000_000

@@ -369,6 +369,11 @@ def _precision(ds: dict, values: dict, notes: list[str]) -> Optional[str]:
                             ("min_loss_scale", "min_loss_scale")):
             if key in fp16:
                 values[target] = as_number(fp16[key], f"fp16.{key}", type(getattr(ZeroConfig, target)))
+        if "consecutive_hysteresis" in fp16:
+            if not isinstance(fp16["consecutive_hysteresis"], bool):
+                raise DeepSpeedConfigError(f"fp16.consecutive_hysteresis must be true or false, got "
+                                           f"{fp16['consecutive_hysteresis']!r}.")
+            values["consecutive_hysteresis"] = fp16["consecutive_hysteresis"]
         return "16-mixed"
     if _enabled(bf16):
         return "bf16-mixed"

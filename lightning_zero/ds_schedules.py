@@ -38,6 +38,14 @@ def _per_group(value: Any, groups: int, name: str) -> list[float]:
     return [float(value)] * groups
 
 
+def _warmup_type(p: dict[str, Any], schedule: str) -> str:
+    kind = p.get("warmup_type", "log")
+    if kind not in ("log", "linear"):  # DeepSpeed falls back to log with a log line: here the run would differ silently
+        raise UnsupportedScheduleError(f"{schedule} params.warmup_type={kind!r}: DeepSpeed's warm-up is 'log' or "
+                                       f"'linear' (it would run 'log'); write the one you mean.")
+    return kind
+
+
 def _warm_fraction(it: int, warmup: int, kind: str) -> float:
     """DeepSpeed's warm-up gamma below ``warmup`` (``log`` or ``linear``)."""
     if kind == "linear":
@@ -48,7 +56,8 @@ def _warm_fraction(it: int, warmup: int, kind: str) -> float:
 def _warmup(p: dict[str, Any], groups: int, base: list[float], decay: bool) -> tuple[Values, Optional[Values]]:
     lo = _per_group(p.get("warmup_min_lr", 0.0), groups, "warmup_min_lr")
     hi = _per_group(p.get("warmup_max_lr", 0.001), groups, "warmup_max_lr")
-    warmup, kind = max(2, int(p.get("warmup_num_steps", 1000))), p.get("warmup_type", "log")
+    warmup = max(2, int(p.get("warmup_num_steps", 1000)))
+    kind = _warmup_type(p, "WarmupDecayLR" if decay else "WarmupLR")
     total = int(p["total_num_steps"]) if decay else 0
 
     def gamma(it: int) -> float:
@@ -74,7 +83,8 @@ def _warmup_cosine_lr(p: dict[str, Any], groups: int, base: list[float]) -> tupl
     if warmup <= 0:
         raise UnsupportedScheduleError(f"WarmupCosineLR needs warmup_num_steps > 0, got {warmup}.")
     warmup = max(2, warmup)
-    lo, floor, kind = float(p.get("warmup_min_ratio", 0.0)), float(p.get("cos_min_ratio", 0.0001)), p.get("warmup_type", "log")
+    lo, floor = float(p.get("warmup_min_ratio", 0.0)), float(p.get("cos_min_ratio", 0.0001))
+    kind = _warmup_type(p, "WarmupCosineLR")
 
     def ratio(it: int) -> float:
         if it < 0:

@@ -337,3 +337,28 @@ def test_optimizer_values_torch_refuses_name_the_section(params, needle):
 
     with pytest.raises(DeepSpeedConfigError, match=f"refused by torch.optim.AdamW: {needle}.*optimizer.params"):
         build_optimizer({"type": "AdamW", "params": params}, [torch.nn.Parameter(torch.zeros(2))])
+
+
+def test_consecutive_hysteresis_is_read_and_restores_the_tolerance_after_each_clean_step():
+    from lightning_zero.precision.loss_scaler import DynamicLossScaler
+
+    assert import_deepspeed_config({"fp16": {"enabled": True, "consecutive_hysteresis": True}}).zero.consecutive_hysteresis
+    with pytest.raises(DeepSpeedConfigError, match="consecutive_hysteresis must be true or false"):
+        import_deepspeed_config({"fp16": {"enabled": True, "consecutive_hysteresis": "yes"}})
+    scales = {}
+    for consecutive in (False, True):  # overflows at steps 0, 2, 4 with a clean step between each
+        scaler = DynamicLossScaler(init_scale=8.0, hysteresis=2, consecutive_hysteresis=consecutive)
+        for overflow in (True, False, True, False, True):
+            scaler.update(overflow)
+        scales[consecutive] = scaler.scale
+    assert scales == {False: 2.0, True: 8.0}  # hysteresis 2: the second and third overflows halve; never in a row
+
+
+@pytest.mark.parametrize("kind", ["WarmupLR", "WarmupDecayLR", "WarmupCosineLR"])
+def test_a_warmup_type_deepspeed_does_not_know_is_refused(kind):
+    from lightning_zero.ds_schedules import UnsupportedScheduleError, build_scheduler
+
+    params = {"warmup_num_steps": 5, "warmup_type": "cosine", **({} if kind == "WarmupLR" else {"total_num_steps": 20})}
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
+    with pytest.raises(UnsupportedScheduleError, match="warmup_type='cosine'"):
+        build_scheduler(optimizer, {"type": kind, "params": params})

@@ -24,6 +24,8 @@ class DynamicLossScaler:
         init_scale: starting scale (DeepSpeed: 2**initial_scale_power, default 2**16).
         scale_window: clean steps since the last overflow after which the scale doubles.
         hysteresis: overflows absorbed before the scale is halved; restored when the scale grows.
+        consecutive_hysteresis: restored after every step without overflow instead (only consecutive
+            overflows halve the scale), as DeepSpeed's option of that name.
         min_scale: floor of the scale; an overflow that would need to go below it raises.
         scale_factor: multiplier for growth and shrink.
         dynamic: False keeps ``init_scale`` forever (a static scale: overflow steps are skipped).
@@ -32,6 +34,7 @@ class DynamicLossScaler:
     init_scale: float = 2.0**16
     scale_window: int = 1000
     hysteresis: int = 2
+    consecutive_hysteresis: bool = False
     min_scale: float = 1.0
     scale_factor: float = 2.0
     dynamic: bool = True
@@ -64,9 +67,12 @@ class DynamicLossScaler:
                 else:
                     self.scale = max(self.scale / self.scale_factor, self.min_scale)
             self.last_overflow_step = self.step_count
-        elif self.dynamic and (self.step_count - self.last_overflow_step) % self.scale_window == 0:
-            self.scale *= self.scale_factor
-            self.cur_hysteresis = self.hysteresis
+        else:
+            if self.consecutive_hysteresis:
+                self.cur_hysteresis = self.hysteresis
+            if self.dynamic and (self.step_count - self.last_overflow_step) % self.scale_window == 0:
+                self.scale *= self.scale_factor
+                self.cur_hysteresis = self.hysteresis
         self.step_count += 1
 
     def state_dict(self) -> dict[str, Any]:

@@ -37,7 +37,7 @@ def make_scaler(config: Optional[ZeroConfig], compute_dtype: torch.dtype) -> Opt
     return DynamicLossScaler(
         init_scale=config.loss_scale if static else 2.0**config.initial_scale_power,
         scale_window=config.loss_scale_window, hysteresis=config.hysteresis,
-        min_scale=config.min_loss_scale, dynamic=not static)
+        consecutive_hysteresis=config.consecutive_hysteresis, min_scale=config.min_loss_scale, dynamic=not static)
 
 
 class LossScaling:
