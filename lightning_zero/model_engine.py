@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from .checkpoint import deepspeed_format, sharded
+from .checkpoint.files import META_FILE
 from .collectives import Comm
 from .ds_config import DeepSpeedImport, resolve_batch
 from .engine import ZeroEngine
@@ -292,6 +293,13 @@ class ZeroModelEngine(nn.Module):
         load_dir = Path(load_dir)
         if tag is None:
             latest = load_dir / "latest"
+            if load_dir.is_file() or (not latest.is_file() and load_dir.is_dir() and (
+                    (load_dir / META_FILE).is_file() or deepspeed_format.find_tag_dir(load_dir) == load_dir)):
+                # a script's first start has no checkpoint at all; this is one, named the wrong way: nothing would load
+                raise FileNotFoundError(
+                    f"load_checkpoint({str(load_dir)!r}): that is a checkpoint itself, not the directory of its tags. "
+                    f"Call load_checkpoint({str(load_dir.parent)!r}, tag={load_dir.name!r}) (or the save_dir whose "
+                    f"'latest' file names the tag).")
             if not latest.is_file():
                 warnings.warn(f"Unable to find a 'latest' file in {load_dir}: no checkpoint loaded. Pass tag=... to "
                               f"load a particular checkpoint.", stacklevel=2)

@@ -237,3 +237,27 @@ def test_a_deepspeed_config_given_as_config_names_deepspeed_config(config):
 
     with pytest.raises(lightning_zero.ZeroConfigError, match=r"pass it as ZeroStrategy\(deepspeed_config=\.\.\.\)"):
         lightning_zero.ZeroStrategy(config=config)
+
+
+def test_engine_load_checkpoint_given_the_tag_directory_names_the_parent_and_tag(tmp_path):
+    """load_checkpoint(save_dir/tag) without a tag would find no 'latest' and train from scratch behind a warning
+    (DeepSpeed's rule for a first start); a directory that is itself a checkpoint is an error naming the call."""
+    import warnings
+
+    import torch
+
+    import lightning_zero
+
+    config = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 2},
+              "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+    engine, *_ = lightning_zero.initialize(model=torch.nn.Linear(8, 2), config=config)
+    engine.backward(engine(torch.randn(4, 8)).pow(2).mean())
+    engine.step()
+    engine.save_checkpoint(str(tmp_path), tag="step1")
+    with pytest.raises(FileNotFoundError, match=r"that is a checkpoint itself.*tag='step1'"):
+        engine.load_checkpoint(str(tmp_path / "step1"))
+    assert engine.load_checkpoint(str(tmp_path))[0] == str(tmp_path / "step1")  # the save_dir: 'latest' names it
+    with warnings.catch_warnings(record=True) as caught:  # a first start: nothing there yet
+        warnings.simplefilter("always")
+        assert engine.load_checkpoint(str(tmp_path / "fresh")) == (None, None)
+    assert any("Unable to find a 'latest' file" in str(w.message) for w in caught)
