@@ -261,6 +261,12 @@ class ZeroModelEngine(nn.Module):
                         exclude_frozen_parameters: bool = False) -> bool:
         """Every rank writes its part of ``save_dir/tag`` (see [Note: checkpoints of the engine API])."""
         self.comm.rendezvous("ZeroModelEngine.save_checkpoint()", self.ds.zero.rendezvous_timeout_s)
+        within = self.micro_steps % self.gradient_accumulation_steps()
+        if within and self.global_rank == 0:  # as DeepSpeed: the window's gradients are not state; say so
+            warnings.warn(f"save_checkpoint after {within} of {self.gradient_accumulation_steps()} micro-batches of an "
+                          f"accumulation window: the gradients summed so far are not saved, and a resume starts the "
+                          f"window again. Save after engine.step() at a boundary (is_gradient_accumulation_boundary()).",
+                          stacklevel=2)
         tag = str(tag) if tag is not None else f"global_step{self.global_steps}"
         path = Path(save_dir) / tag
         checkpoint = {"state_dict": sharded.model_pieces(self.zero),

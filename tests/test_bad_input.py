@@ -261,3 +261,24 @@ def test_engine_load_checkpoint_given_the_tag_directory_names_the_parent_and_tag
         warnings.simplefilter("always")
         assert engine.load_checkpoint(str(tmp_path / "fresh")) == (None, None)
     assert any("Unable to find a 'latest' file" in str(w.message) for w in caught)
+
+
+def test_engine_save_inside_an_accumulation_window_warns_that_its_gradients_are_not_saved(tmp_path):
+    import warnings
+
+    import torch
+
+    import lightning_zero
+
+    config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2, "zero_optimization": {"stage": 2},
+              "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+    engine, *_ = lightning_zero.initialize(model=torch.nn.Linear(8, 2), config=config)
+    seen = []
+    for micro in range(2):
+        engine.backward(engine(torch.randn(4, 8)).pow(2).mean())
+        engine.step()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            engine.save_checkpoint(str(tmp_path), tag=f"m{micro}")
+        seen.append(any("accumulation window" in str(w.message) for w in caught))
+    assert seen == [True, False]  # after 1 of 2 micro-batches it warns; at the boundary it does not
