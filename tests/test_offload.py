@@ -82,8 +82,10 @@ def test_host_step_during_backward_matches_ddp(world2, run):
 def test_a_release_during_the_workers_publish_waits_for_it():
     # stage 3 frees a unit's full buffer after its backward while the host step's worker may be writing the unit's
     # new values into it: the release must wait (else "data is not allocated yet", or a write into freed memory)
-    for rank in run_ranks(slow_publish_case, 2, lightning=True):
-        assert rank["crossed"] > 0, "no release came while a publish was under way: the test did not race"
+    ranks = run_ranks(slow_publish_case, 2, lightning=True)
+    # the race is timing: on a loaded 2-core machine one rank's worker may finish first; one rank racing suffices
+    assert sum(rank["crossed"] for rank in ranks) > 0, "no release came while a publish was under way: no race"
+    for rank in ranks:
         assert rank["slowed"]["losses"] == rank["reference"]["losses"]
         if "weights" in rank["reference"]:  # rank 0 reads the full state
             assert state_err(rank["slowed"]["weights"], rank["reference"]["weights"]) == 0
