@@ -27,6 +27,7 @@ from lightning_utilities.core.rank_zero import rank_zero_only
 from torch import Tensor
 
 from . import ds_glue, lightning_compat, lightning_loop, process_group
+from .auto_placement import AutoPlacement
 from .checkpoint import lightning_io
 from .collectives import Comm
 from .config import ZeroConfig, ZeroConfigError, _reject_unknown
@@ -37,7 +38,6 @@ from .engine.state import full_model_state, full_optimizer_state
 from .precision.batchnorm import match_batchnorm
 from .precision.plugin import ZeroPrecision, to_zero_precision
 from .presets import PRESETS
-from .replan import OOM, Replanner
 from .summary import install_summary
 
 __all__ = ["ZeroStrategy"]
@@ -83,10 +83,7 @@ class ZeroStrategy(ParallelStrategy):
         self._undo_hold: Optional[Callable[[], None]] = None  # scheduler_on_skip="hold" (see setup)
         self._undo_averaging: Optional[Callable[[], None]] = None  # stage 3: averaging callbacks gather (setup)
         self._norm_hooks: list[Any] = []  # BatchNorm under 16-bit compute (precision/batchnorm.py)
-        self._auto_config: Optional[ZeroConfig] = None  # zero_auto: the config it plans from (see replan.py)
-        self._replanner = Replanner()
-        self._step_args: Optional[tuple] = None
-        self._overlap_after_first: Optional[tuple] = None  # zero_auto: (optimizer, speculate) once re-plans are over
+        self._auto = AutoPlacement(self)  # zero_auto's plan, measured first step and re-plan
         self._dumping = False  # inside the trainer's building of a checkpoint dict (see lightning_module_state_dict)
 
     # ---- what Lightning asks of a parallel strategy ---------------------------------------
@@ -198,7 +195,7 @@ class ZeroStrategy(ParallelStrategy):
             if fitting:
                 self.setup_optimizers(trainer)
             if self.config.auto_placement:
-                self._plan_placement(trainer)
+                self._auto.plan(trainer)
             self._build_engine(trainer, fitting)
         else:  # evaluation after fit (stage 3): the kept engine's shards are the model
             self.model_to_device()
@@ -296,10 +293,10 @@ class ZeroStrategy(ParallelStrategy):
             speculate = lightning_loop.gradient_changers(trainer, self.precision_plugin.scaler is not None)
             if blocker is None and speculate:
                 blocker = engine.speculation_blocker(optimizers, self.num_processes)
-            if blocker is None and fitting and self._auto_config is not None:
+            if blocker is None and fitting and self._auto.active:
                 # zero_auto may still re-plan in its first step (replan.py): the masters must keep their initial
                 # values until then, so the host steps after backward once and overlaps from the second step on
-                self._overlap_after_first = (optimizers[0], speculate)
+                self._auto.overlap_after_first = (optimizers[0], speculate)
                 blocker = "zero_auto's first step, which may still plan again; overlapped from the second step"
             rank_zero_info(engine.overlap_step(optimizers[0] if blocker is None else None, blocker, speculate))
             self._place_host_threads()
@@ -320,133 +317,6 @@ class ZeroStrategy(ParallelStrategy):
             size = fmt_bytes(sum(p.numel() for p in self.lightning_module.parameters()) * 4)
             rank_zero_info(f"lightning_zero stage 3: {', '.join(names)} read every parameter between steps: their hooks "
                            f"gather the whole model in fp32 ({size}) on every rank while they run")
-
-    def _plan_placement(self, trainer: Any, measured: Optional[int] = None) -> None:
-        """zero_auto: the planner picks stage and offload for these devices and this model (rank 0 decides)."""
-        from .planner import plan_for_run
-
-        if self._auto_config is None:
-            self._auto_config = self.config
-        config, why = self.comm.broadcast_object(plan_for_run(
-            self.lightning_module, self.root_device, self.num_processes, self.num_nodes, self._auto_config,
-            self.precision_plugin.compute_dtype, int(trainer.accumulate_grad_batches or 1),
-            activations=self._replanner.extra, measured=measured, host_returning=self._module_bytes_on_host()), src=0)
-        self.config = ZeroConfig.from_dict(config)
-        self.precision_plugin.configure(self.config, explicit=False)
-        log.info("lightning_zero zero_auto: %s", why)
-        rank_zero_only(print)(f"lightning_zero zero_auto: {why}")
-
-    def _may_probe(self) -> bool:
-        """zero_auto's first step, before anything changed: it may still measure and move (every rank together)."""
-        return (self._auto_config is not None and self.engine is not None
-                and self.lightning_module.trainer.global_step == 0  # an optimizer without state stepped too
-                and self._replanner.possible(list(self.optimizers)))
-
-    def _may_replan(self) -> bool:
-        """Out of GPU memory in the first step: one rank only (with several, the others wait in a collective)."""
-        return self.world_size == 1 and self._may_probe()
-
-    def _replan(self, error: BaseException) -> None:
-        """Out of GPU memory in the first step under zero_auto: plan again with room for what was asked, build
-        the new placement's engine (see replan.py). Raises ``error`` when no other placement is left."""
-        from .planner import placement_name
-
-        trainer = self.lightning_module.trainer
-        before = placement_name(self.config)
-        extra = self._replanner.grow(error)
-        self._release_engine()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-        try:
-            self._plan_placement(trainer, self._measured_plan())
-        except ValueError as err:
-            raise error from err
-        if placement_name(self.config) == before:
-            raise error
-        self.model_to_device()
-        self._build_engine(trainer, fitting=True)
-        rank_zero_warn(f"lightning_zero zero_auto: out of GPU memory in the first step under {before}; planned again "
-                       f"with {extra / 2**30:.2f} GiB more for activations: {placement_name(self.config)}, and ran "
-                       f"the step again")
-
-    def _overlap_from_now(self) -> None:
-        """zero_auto after its first step: the host steps during backward from now on (see _build_engine)."""
-        optimizer, speculate = self._overlap_after_first
-        self._overlap_after_first = None
-        blocker = self.engine.speculation_blocker(list(self.optimizers), self.num_processes) if speculate else None
-        rank_zero_info(self.engine.overlap_step(None if blocker else optimizer, blocker, speculate))
-
-    def _measured_plan(self) -> Optional[int]:
-        return None if self._replanner.measured is None else self._replanner.planned_activations()
-
-    def _probe_first_step(self) -> bool:
-        """After the first backward under zero_auto (automatic optimization): read the activation memory it used
-        (the largest over the ranks); move to a placement with less traffic when the measurement leaves room for
-        one, or to one that fits when the running placement does not leave room for the activations and the
-        optimizer state still to come. Rank 0 decides for every rank. True when the engine was rebuilt (the batch
-        must run again); see replan.py."""
-        if self._replanner.measured is not None:
-            return False
-        every = self.comm.all_gather_object(self._replanner.meter.read())
-        if any(m is None for m in every):
-            return False
-        self._replanner.measured = max(every)
-        config, level, message = self.comm.broadcast_object(
-            self._decide_after_probe() if self.global_rank == 0 else None, src=0)
-        if config is None:
-            (rank_zero_warn if level == "warn" else rank_zero_info)(message)
-            return False
-        self._release_engine()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-        self.config = ZeroConfig.from_dict(config)
-        self.precision_plugin.configure(self.config, explicit=False)
-        self.model_to_device()
-        self._build_engine(self.lightning_module.trainer, fitting=True)
-        rank_zero_warn(message)
-        return True
-
-    def _decide_after_probe(self) -> tuple[Optional[dict], str, str]:
-        """(the placement to move to as a dict, or None to stay; "info" / "warn"; the line to say) for the
-        measured first step, on this rank's view of the machine."""
-        from .host_memory import read_host_budget
-        from .planner import fits_measured, lighter, placement_name, plan_for_run
-
-        measured = self._replanner.measured
-        trainer = self.lightning_module.trainer
-        before, measured_gib = placement_name(self.config), f"{measured / 2**30:.2f} GiB"
-        accumulate = int(trainer.accumulate_grad_batches or 1)
-        place = (self.lightning_module, self.root_device, self.num_processes, self.num_nodes)
-        held = self.engine.held_host_bytes() if self.engine is not None else 0  # given back before a move
-        fits_now = fits_measured(*place, self.config, self.precision_plugin.compute_dtype, accumulate,
-                                 self._measured_plan(), host_returning=held)
-        try:
-            config, why = plan_for_run(*place, self._auto_config, self.precision_plugin.compute_dtype, accumulate,
-                                       measured=self._measured_plan(), host_returning=held)
-            found: Optional[ZeroConfig] = ZeroConfig.from_dict(config)
-        except ValueError:  # nothing fits the estimate (the running placement did run its forward and backward)
-            found = None
-        if found is None or (fits_now and not lighter(found, self.config)):
-            if fits_now:
-                return None, "info", (f"lightning_zero zero_auto: the first step used {measured_gib} for "
-                                      f"activations; {before} stays")
-            return None, "warn", (f"lightning_zero zero_auto: the first step used {measured_gib} for activations, "
-                                  f"more than {before} leaves room for beside the optimizer state its first step "
-                                  f"creates, and no placement leaves enough: {before} stays and may run out of GPU "
-                                  f"memory (a smaller micro-batch, activation checkpointing or more GPUs make room)")
-        module_bytes = 4 * sum(p.numel() for p in self.lightning_module.parameters())
-        budget = read_host_budget(self.num_processes)
-        if module_bytes + budget.headroom_per_rank > budget.per_rank:  # the switch hands the module back in host memory
-            return None, "info" if fits_now else "warn", (
-                f"lightning_zero zero_auto: the first step used {measured_gib} for activations, so "
-                f"{placement_name(found)} {'would fit' if fits_now else 'is needed'}, but moving there needs the "
-                f"fp32 module ({module_bytes / 2**30:.1f} GiB) in host memory and the host can give "
-                f"{budget.describe()}: {before} stays (name the placement to start with it)")
-        how = ("less than kept free" if fits_now else
-               f"more than {before} leaves room for beside the optimizer state its first step creates")
-        return found.to_dict(), "warn", (f"lightning_zero zero_auto: the first step used {measured_gib} for "
-                                         f"activations, {how}: moved from {before} to {placement_name(found)} and "
-                                         f"ran the step again ({why})")
 
     def model_to_device(self) -> None:
         """Everything but the floating-point parameters, which the engine takes to the device unit by unit
@@ -494,58 +364,15 @@ class ZeroStrategy(ParallelStrategy):
         if self._host_recheck:
             self._host_recheck = False
             self._recheck_host_memory()
-        if not self._may_probe():
-            self._step_args = None
-            if self._overlap_after_first is not None:
-                self._overlap_from_now()
-            return self._training_step(*args, **kwargs)
-        self._step_args = (args, kwargs)
-        if self._replanner.measured is None and self.lightning_module.automatic_optimization:
-            self._replanner.meter.start(self.root_device)
-        try:
-            return self._training_step(*args, **kwargs)
-        except OOM as error:
-            if not self._may_replan():
-                raise
-            while True:  # see replan.py
-                self._replan(error)
-                try:
-                    return self._training_step(*args, **kwargs)
-                except OOM as again:
-                    if not self._may_replan():
-                        raise
-                    error = again
+        return self._auto.training_step(self._training_step, *args, **kwargs)
 
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
         try:
-            return self._backward(closure_loss, optimizer, *args, **kwargs)
+            return self._auto.backward(super().backward, closure_loss, optimizer, *args, **kwargs)
         except RuntimeError as err:  # a stage-3 placeholder captured outside its forward shows in backward's shapes
             if self.engine is not None:
                 self.engine.explain_placeholder_use(err, only_sharded=False)
             raise
-
-    def _backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
-        if self._step_args is None or not self._may_probe():
-            return super().backward(closure_loss, optimizer, *args, **kwargs)
-        try:
-            done = super().backward(closure_loss, optimizer, *args, **kwargs)
-        except OOM as error:
-            if not self._may_replan():
-                raise
-            del closure_loss
-            self._replan(error)  # the forward's graph is gone with the old engine: run the batch again
-            return self._run_batch_again(optimizer, *args, **kwargs)
-        if self.lightning_module.automatic_optimization and self._probe_first_step():
-            del closure_loss, done
-            return self._run_batch_again(optimizer, *args, **kwargs)
-        return done
-
-    def _run_batch_again(self, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
-        """The first batch under the placement planned again (still before any optimizer step)."""
-        step_args, step_kwargs = self._step_args
-        out = self.training_step(*step_args, **step_kwargs)
-        loss = out["loss"] if isinstance(out, Mapping) else out
-        return self.backward(loss, optimizer, *args, **kwargs)
 
     def _training_step(self, *args: Any, **kwargs: Any) -> Any:
         self.engine.before_training_forward()
@@ -814,7 +641,7 @@ class ZeroStrategy(ParallelStrategy):
 
         The module may still be sharded by the stage-3 engine of an earlier Trainer (its fit kept the
         module sharded): that engine gives the values back first."""
-        self._parked, self._overlap_after_first = None, None
+        self._parked, self._auto.overlap_after_first = None, None
         for handle in self._norm_hooks:
             handle.remove()
         self._norm_hooks = []

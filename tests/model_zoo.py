@@ -185,8 +185,8 @@ def fit_zoo(rank: int, world: int, kind: str, strategy: str, probe: bool = False
     trainer.fit(module, zoo_data())
     out = {"losses": module.losses, "global_step": trainer.global_step,
            "state": trained_state(trainer, module)}
-    replanner = getattr(trainer.strategy, "_replanner", None)
-    out["measured"] = replanner.measured if replanner is not None else None  # zero_auto's first-step figure
+    auto = getattr(trainer.strategy, "_auto", None)
+    out["measured"] = auto.replanner.measured if auto is not None else None  # zero_auto's first-step figure
     if one_gpu:
         out["val"] = trainer.validate(module, zoo_data(16), verbose=False)[0]
     if probe:

@@ -49,7 +49,7 @@ def _fit(module, strategy, meter=None):
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          use_distributed_sampler=False)
     if meter is not None:
-        trainer.strategy._replanner.meter = meter
+        trainer.strategy._auto.replanner.meter = meter
     g = torch.Generator().manual_seed(1)
     trainer.fit(module, DataLoader(TensorDataset(torch.randn(32, 1024, generator=g)), batch_size=8))
     return trainer
@@ -64,7 +64,7 @@ def measured_on_two_ranks(rank: int, world: int) -> dict:
     # rank 1's first step peaks higher: the plan must use the largest figure, on every rank
     trainer = _fit(module, "zero_auto", SimulatedMeter(USED if rank == 1 else USED // 4))
     state = trainer.strategy.full_state_dict(rank0_only=False)
-    out = {"first": first, "config": trainer.strategy.config.to_dict(), "measured": trainer.strategy._replanner.measured,
+    out = {"first": first, "config": trainer.strategy.config.to_dict(), "measured": trainer.strategy._auto.replanner.measured,
            "losses": list(module.losses), "state": {k: v.clone() for k, v in state.items()}}
     pl.seed_everything(0, verbose=False)
     reference = Wider()

@@ -38,22 +38,22 @@ AUTO_CASES = ("zero2_auto_fast_host", "zero2_auto_slow_host", "zero2_auto_one_sl
 def run_speculation(rank: int, world: int) -> dict:
     # units far below HOST_STEP_CHUNK would all wait for the drain at the step: small chunks make the worker
     # step while backward runs, the path a large model on a GPU takes
-    from lightning_zero.engine import engine, overlap
+    from lightning_zero.engine import host_schedule, overlap
 
     chunk, overlap.HOST_STEP_CHUNK = overlap.HOST_STEP_CHUNK, 64
-    measured = engine.host_copy_seconds_per_byte
+    measured = host_schedule.host_copy_seconds_per_byte
     out = {}
     try:
         for name, (strategy, kwargs) in CASES.items():
             kwargs = dict(kwargs)
             options, module = kwargs.pop("options"), kwargs.pop("module", "lm")
             cost = kwargs.pop("copy_cost", None)  # seconds a byte: a simulated host, this rank's figure
-            engine.host_copy_seconds_per_byte = measured if cost is None else (lambda c=cost[rank]: c)
+            host_schedule.host_copy_seconds_per_byte = measured if cost is None else (lambda c=cost[rank]: c)
             out[name] = fit_case(rank, world, module, strategy, probe=False, options=options, **kwargs)
-            engine.host_copy_seconds_per_byte = measured
+            host_schedule.host_copy_seconds_per_byte = measured
             out[name + "_after"] = fit_case(rank, world, module, strategy, probe=False,
                                             options=dict(options, overlap_step=False), **kwargs)
     finally:
         overlap.HOST_STEP_CHUNK = chunk
-        engine.host_copy_seconds_per_byte = measured
+        host_schedule.host_copy_seconds_per_byte = measured
     return out

@@ -205,7 +205,7 @@ def test_zero_auto_measures_the_activations_of_its_first_step():
     trainer = pl.Trainer(accelerator="gpu", devices=1, strategy="zero_auto", max_steps=2, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(_wide(), DataLoader(TensorDataset(data), batch_size=1024))
-    measured = trainer.strategy._replanner.measured
+    measured = trainer.strategy._auto.replanner.measured
     assert measured is not None and 0.5 * reference <= measured <= 2 * reference, (measured, reference)
 
 

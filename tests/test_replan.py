@@ -172,7 +172,7 @@ def _fit_probed(module, meter, steps=4):
     trainer = pl.Trainer(accelerator="cpu", devices=1, strategy="zero_auto", max_steps=steps, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          use_distributed_sampler=False)
-    trainer.strategy._replanner.meter = meter
+    trainer.strategy._auto.replanner.meter = meter
     g = torch.Generator().manual_seed(1)
     trainer.fit(module, DataLoader(TensorDataset(torch.randn(32, 1024, generator=g)), batch_size=8))
     return trainer
@@ -203,7 +203,7 @@ def test_the_first_step_measures_and_moves_to_a_lighter_placement_without_losing
                                          f"{first} to zero2 and ran the step again"):
         trainer = _fit_probed(module, meter)
     assert trainer.strategy.config.stage == 2 and not trainer.strategy.config.offloads
-    assert module.ooms == 0 and trainer.global_step == 4 and trainer.strategy._replanner.measured == USED
+    assert module.ooms == 0 and trainer.global_step == 4 and trainer.strategy._auto.replanner.measured == USED
     reference = _same_as_plain_training(module)
     assert module.losses[-4:] == pytest.approx(reference.losses, rel=1e-5)
     assert len(module.losses) == 5  # the first batch ran twice (probe, then under zero2), no other
@@ -248,7 +248,7 @@ def test_nothing_measured_on_the_cpu_keeps_the_first_plan(monkeypatch):
     monkeypatch.setattr(planner, "hardware_here", _gpu_of(total))
     module = Wide(None)
     trainer = _fit_probed(module, __import__("lightning_zero.replan", fromlist=["PeakMeter"]).PeakMeter())
-    assert trainer.strategy._replanner.measured is None and len(module.losses) == 4
+    assert trainer.strategy._auto.replanner.measured is None and len(module.losses) == 4
 
 
 def test_a_provisional_plan_when_nothing_fits_with_the_share(monkeypatch):
@@ -385,7 +385,7 @@ def test_the_first_placement_is_freed_before_the_next_is_built(monkeypatch):
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          use_distributed_sampler=False, callbacks=[Watch()])
     strategy = trainer.strategy
-    strategy._replanner.meter = SimulatedMeter(USED)
+    strategy._auto.replanner.meter = SimulatedMeter(USED)
     rebuild = strategy.model_to_device
 
     def measured_rebuild():  # also called at setup, before the first engine exists

@@ -35,13 +35,13 @@ from .gather import UNSCOPED_FORWARD, Gatherer
 from .grads import GradientReducer, ReducePolicy
 from .groups import build_needs, group_lookup, group_modules, members_of, owner_of
 from .guard import install_load_into_masters, install_state_dict_guard, note_placeholder_use
+from .host_schedule import HostSchedule
 from .materialize import RngState, check_no_meta_left, has_meta, materialize_module, model_initializers
 from .norms import any_nonfinite, by_device, global_norm, grad_norms
 from .offload import Offloader
 from .optim import Routes, check_optimizer, pieces_in_groups, unwrap
 from .readiness import ForwardOrder
 from .schedule_check import GatherScheduleCheck
-from .speculation_trial import WINDOWS, SpeculationTrial, host_copy_seconds_per_byte, pays
 from .torch_clip import install as install_torch_clip
 from .weak import weakly
 
@@ -101,10 +101,7 @@ class ZeroEngine:
         self._grad_slots: list[set[int]] = [set() for _ in self.units]  # slots whose parameter holds a gradient
         self.window = 0  # windows closed so far (see engine.grads [Note: the window])
         self.grad_bytes_at_step = 0
-        # speculative_step='auto' (speculation_trial): the trial while it runs, then its verdict and why
-        self._trial: Optional[SpeculationTrial] = None
-        self._speculation_verdict: Any = None
-        self.speculation_decision = ""
+        self.host_schedule = HostSchedule(self)  # when the host steps the offloaded units
         self.say: Callable[[str], None] = log.info  # where lines for the user go (the strategy: rank zero's log)
         self.ranks_on_node = 1  # the caller knows (host memory is shared by the node's ranks)
         self.gatherer = self._make_gatherer() if config.shard_params else None
@@ -353,92 +350,16 @@ class ZeroEngine:
 
     def overlap_step(self, optimizer: Optional[torch.optim.Optimizer], blocker: Optional[str] = None,
                      speculate: Optional[str] = None) -> str:
-        """Let the host step ``optimizer``'s offloaded units during backward (None: not anymore, because of
-        ``blocker``); returns a line saying what is offloaded and when the host steps.
-
-        The caller (the strategy) checks that only the engine's own clipping and overflow vote can change
-        gradients between backward and the step (one optimizer, no user hook before the step). ``speculate``
-        names those when present: then the early steps are speculative (see engine.speculation), unless
-        ``speculative_step=False``.
-        """
-        if self.offloader is None:
-            return "lightning_zero: nothing offloaded"
-        described = f"lightning_zero {self.describe_offload()}; host step "
-        if self.config.delayed_step:
-            self.offloader.disable_overlap()
-            self.reducer.tell_late(self.offloader.late_gradient)  # a unit published early must not get one
-            return described + ("one step late (delayed_step): step t's host update runs during window t+1, "
-                                "from gradients one step stale; each unit's new values go up once its "
-                                "backward in t+1 is done")
-        mode = self.config.speculative_step if self._speculation_verdict is None else self._speculation_verdict
-        if speculate and mode is False:
-            blocker = f"{speculate}, speculative_step=False"
-        if speculate and mode == "auto" and optimizer is not None and not blocker and self.config.overlap_step:
-            self._trial = SpeculationTrial(optimizer, speculate, self.device)
-            self.offloader.disable_overlap()
-            return described + (f"after backward for the first {WINDOWS} steps ({speculate}; speculative_step='auto' "
-                                f"times them to see whether a speculative step pays here)")
-        if speculate and isinstance(mode, str) and mode.startswith("no:"):
-            blocker = mode[3:]
-        if optimizer is None or blocker or not self.config.overlap_step:
-            self.offloader.disable_overlap()
-            return described + f"after backward ({blocker or 'overlap_step=False'})"
-        optimizer = unwrap(optimizer)
-
-        def fully_used(unit: FlatUnit) -> bool:
-            used = self.reducer.used_slots(unit)
-            return all(i in used for i, p in enumerate(unit.params) if p.requires_grad)
-
-        def publish_own(units: list[FlatUnit]) -> None:
-            for unit in units:
-                unit.publish_own()  # the others' chunks come at the step
-
-        self.offloader.enable_overlap(optimizer, self.routes.inner_step(optimizer), fully_used, publish_own,
-                                      speculative=bool(speculate))
-        self.reducer.tell_late(self.offloader.overlap.late_gradient if self.offloader.overlap is not None else None)
-        if speculate and self.offloader.overlap is not None:
-            return described + f"overlaps backward, speculatively ({speculate}: redone when they change gradients)"
-        return described + "overlaps backward"
+        """When the host steps ``optimizer``'s offloaded units (see HostSchedule.set); the line to tell the user."""
+        return self.host_schedule.set(optimizer, blocker, speculate)
 
     def speculation_blocker(self, optimizers: list[Any], ranks_on_node: int) -> Optional[str]:
-        """Why the host step may not speculate here (no host memory for its copy, on some rank), or None.
-        A collective: every rank decides alike."""
-        from ..host_memory import read_host_budget, speculation_room
+        """Why the host step may not speculate here, or None (a collective; see HostSchedule.blocker)."""
+        return self.host_schedule.blocker(optimizers, ranks_on_node)
 
-        offloader = self.offloader
-        if offloader is None:
-            return None
-        problem = speculation_room(offloader.speculation_bytes(optimizers), offloader.pending_host_bytes(optimizers),
-                                   read_host_budget(ranks_on_node))
-        return next((p for p in self.comm.all_gather_object(problem) if p), None)
-
-    def _end_trial_step(self) -> None:
-        """speculative_step='auto': a step ended; with enough timings, the ranks decide together (a collective
-        at the same step on every rank) and the host step is set up accordingly."""
-        trial = self._trial
-        if trial is None or not trial.stepped():
-            return
-        self._trial = None
-        backward = trial.backward_seconds()
-        copy = self.offloader.speculation_bytes([trial.optimizer]) * host_copy_seconds_per_byte()
-        worst = torch.tensor([copy / max(backward, 1e-9)], device=self.device)
-        if self.comm.world_size > 1:
-            self.comm.all_reduce(worst, op="max")
-        figures = f"the safety copy ~{copy:.3f} s against a backward of {backward:.3f} s"
-        room = self.speculation_blocker([trial.optimizer], self.ranks_on_node)  # a collective, on every rank
-        if room:
-            self._speculation_verdict = f"no:{room}"
-            self.speculation_decision = f"after backward: {room}"
-        elif pays(float(worst) * backward, backward):
-            self._speculation_verdict = True
-            self.speculation_decision = f"speculative: {figures}"
-        else:
-            self._speculation_verdict = f"no:speculative_step='auto' measured {figures}, too dear to hide it"
-            self.speculation_decision = f"after backward: {figures}"
-        self.say(self.overlap_step(trial.optimizer, None, trial.speculate))
-
-    def _speculating(self) -> bool:
-        return self.offloader is not None and self.offloader.speculating
+    @property
+    def speculation_decision(self) -> str:
+        return self.host_schedule.decision
 
     # ---- backward -------------------------------------------------------------------------------
     def begin_backward(self, loss: torch.Tensor) -> None:
@@ -448,8 +369,7 @@ class ZeroEngine:
             # clamp, in training_step or after the previous step) must be in it first
             self.absorb_edits(offloaded_too=False, marked=True)
         self.reducer.begin_backward([loss])
-        if self._trial is not None:
-            self._trial.backward_started()
+        self.host_schedule.backward_started()
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         self.begin_backward(loss)
@@ -461,8 +381,7 @@ class ZeroEngine:
         parameters (no hook fired), the reductions every other rank issues are issued here too."""
         if self.reducer.in_backward:
             self.reducer.finish_backward()
-        if self._trial is not None:
-            self._trial.backward_ended()
+        self.host_schedule.backward_ended()
 
     @property
     def last_micro_batch(self) -> bool:
@@ -554,11 +473,11 @@ class ZeroEngine:
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         groups = by_device(grads)
         on_host = self.device.type != "cpu" and any(device.type == "cpu" for device in groups)
-        if (self._speculating() or on_host) and coef.item() == 1.0:
+        if (self.host_schedule.speculating or on_host) and coef.item() == 1.0:
             # multiplying by one changes no value: the early steps stand, and the offloaded gradients are not
             # read and written once more by the host for nothing (the GPU-only path keeps torch's sync-free rule)
             return total
-        if self._speculating():
+        if self.host_schedule.speculating:
             self.offloader.reject_speculation()  # before the multiply: the worker may still read them
         for device, grads in groups.items():
             torch._foreach_mul_(grads, coef.to(device))
@@ -568,7 +487,7 @@ class ZeroEngine:
     def clip_grad_value_(self, optimizer: Optional[torch.optim.Optimizer], clip_value: float,
                          grads: Optional[list[torch.Tensor]] = None) -> None:
         grads = self.grads(optimizer) if grads is None else grads
-        if self._speculating():  # undo the early steps of the units whose gradients the clamp changes
+        if self.host_schedule.speculating:  # undo the early steps of the units whose gradients the clamp changes
             self.offloader.reject_speculation([u for u in self.offloader.speculated() if u.grad_shard is not None
                                                and bool(u.grad_shard.abs().amax() > clip_value)])
         for g in grads:
@@ -629,7 +548,7 @@ class ZeroEngine:
         self.edit_watch.mark_published(self._host_indices(), self._host_edits_reachable())
         if self.free_grads_at_step:
             self._drop_grads(self.slots_of(optimizer))
-        self._end_trial_step()
+        self.host_schedule.step_ended()
         return out
 
     def settle(self, publish: bool = True, in_step: bool = False) -> None:
@@ -680,13 +599,13 @@ class ZeroEngine:
         """No step for ``optimizer`` this window (fp16 overflow): values and state unchanged."""
         self.settle(in_step=True)
         self.finish_grads()
-        if self._speculating():  # units stepped during backward get their values back, on the device too
+        if self.host_schedule.speculating:  # units stepped during backward get their values back, on the device too
             self.offloader.reject_speculation()
             self.offloader.overlap.drain()
             self.republish(self.offloader.units_of(optimizer))
         if self.free_grads_at_step:
             self._drop_grads(self.slots_of(optimizer))
-        self._end_trial_step()
+        self.host_schedule.step_ended()
 
     def zero_grad(self, optimizer: torch.optim.Optimizer, set_to_none: bool = True) -> None:
         """``optimizer.zero_grad()``: forget the gradients of its parameters (closes an open window)."""
