@@ -252,3 +252,33 @@ def test_load_from_checkpoint_reads_a_sharded_directory(tmp_path):
     got = loaded.state_dict()
     assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
     assert isinstance(StepLM.load_from_checkpoint(tmp_path / "one.ckpt"), StepLM)  # files: Lightning's own path
+
+
+class _WithSGD(StepLM):
+    """The same model and groups, another optimizer class."""
+
+    def configure_optimizers(self):
+        decay = [p for p in self.parameters() if p.requires_grad and p.dim() >= 2]
+        rest = [p for p in self.parameters() if p.requires_grad and p.dim() < 2]
+        return torch.optim.SGD([{"params": decay}, {"params": rest}], lr=self.lr, momentum=0.9)
+
+
+@pytest.mark.parametrize("fmt", ["sharded", "full", "consolidated"])
+def test_optimizer_state_of_another_class_is_refused(saved, tmp_path, fmt):
+    """AdamW's exp_avg loaded into an SGD (and its betas into SGD's groups) would resume as neither."""
+    trainer, d = saved
+    path = d / "good.ckpt"
+    if fmt == "full":
+        path = tmp_path / "full.ckpt"
+        writer = _trainer(checkpoint_format="full")
+        writer.fit(StepLM(), dummy_loader())
+        writer.save_checkpoint(path)
+    elif fmt == "consolidated":
+        from lightning_zero.checkpoint.export import write_checkpoint
+
+        path = tmp_path / "consolidated.ckpt"
+        write_checkpoint(d / "good.ckpt", path)
+    with pytest.raises(ValueError) as info:
+        _trainer(steps=3).fit(_WithSGD(), dummy_loader(), ckpt_path=path)
+    _one_line(info.value, "holds AdamW state", "optimizer is SGD", "load_from_checkpoint")
+    _trainer(steps=3).fit(StepLM(), dummy_loader(), ckpt_path=path)  # the same class still resumes

@@ -101,7 +101,8 @@ def _optimizer(reader: _Reader, layout: Layout, index: int, weights: dict[str, A
         if entry:
             state[position] = entry
     return {"state": state, "param_groups": out_groups,
-            "lightning_zero": {"format": FULL_FORMAT, "param_names": names, "elementwise": sorted(elementwise)}}
+            "lightning_zero": {"format": FULL_FORMAT, "param_names": names, "elementwise": sorted(elementwise),
+                               "optimizer": layout.optimizer_class(index)}}
 
 
 def _target(out: Any) -> Path:

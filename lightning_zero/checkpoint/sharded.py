@@ -35,7 +35,7 @@ from ..collectives import Comm
 from ..engine import ZeroEngine
 from ..engine.guard import allow_state_dict
 from ..engine.optim import unwrap
-from ..engine.state import check_keys, cpu_copy, keys_of
+from ..engine.state import check_keys, check_same_optimizer, cpu_copy, keys_of, optimizer_class
 from . import checksums
 from .dtensors import optimizer_state, piece_values
 from .files import DCP_METADATA, META_FILE, CheckpointPathError, check_complete, commit, partial_path, prepare_partial
@@ -96,7 +96,7 @@ def describe_model(engine: ZeroEngine) -> dict[str, Any]:
             params[name] = list(shape)
             aliases.update({alias: name for alias in keys[id(param)] if alias != name})
     return {"format": FORMAT, "params": params, "aliases": aliases, "world_size": engine.comm.world_size,
-            "stage": engine.config.stage}
+            "stage": engine.config.stage, "optimizer_classes": [optimizer_class(o) for o in engine.optimizers]}
 
 
 def _split(checkpoint: dict[str, Any], rank: int) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -220,6 +220,11 @@ class Layout:
         found = {int(p[0][len("optimizer_"):]) for p in (self._path(k) for k in self.entries)
                  if p and isinstance(p[0], str) and p[0].startswith("optimizer_") and p[0][10:].isdigit()}
         return max(found) + 1 if found else 0
+
+    def optimizer_class(self, index: int) -> Optional[str]:
+        """The class of the optimizer that wrote optimizer ``index``'s state (None: not recorded)."""
+        classes = self.lz.get("optimizer_classes") or []
+        return classes[index] if len(classes) == self.optimizer_count() else None
 
     def param_groups(self, index: int) -> list[dict[str, Any]]:
         """Optimizer ``index``'s param groups, each group's parameters by name."""
@@ -440,6 +445,7 @@ def load_optimizer(saved: SavedState, engine: ZeroEngine, optimizer: Any) -> Non
     """Read optimizer ``saved.index``'s state into this rank's pieces (any saving world size, stage or FSDP2)."""
     optimizer = unwrap(optimizer)
     layout, index = saved.layout, saved.index
+    check_same_optimizer(layout.optimizer_class(index), optimizer, layout.path)
     groups = saved["param_groups"]
     if len(groups) != len(optimizer.param_groups):
         raise ValueError(f"Checkpoint {layout.path} has {len(groups)} param groups for optimizer {index}, the "

@@ -13,7 +13,7 @@ time and moved to the CPU, so a rank's device never holds more than one unit's f
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -176,7 +176,8 @@ def full_optimizer_state(engine: ZeroEngine, optimizer: Any, keep: bool = True) 
     groups, names = torch_param_groups(engine, optimizer)
     elementwise = sorted({k for e in merged.values() for k, v in e.items() if isinstance(v, str)})
     return {"state": state, "param_groups": groups,
-            "lightning_zero": {"format": FORMAT, "param_names": names, "elementwise": elementwise}}
+            "lightning_zero": {"format": FORMAT, "param_names": names, "elementwise": elementwise,
+                               "optimizer": optimizer_class(optimizer)}}
 
 
 def torch_param_groups(engine: ZeroEngine, optimizer: Any) -> tuple[list[dict[str, Any]], list[str]]:
@@ -222,12 +223,30 @@ def cpu_copy(value: Any) -> Any:
 
 
 @torch.no_grad()
+def optimizer_class(optimizer: Any) -> str:
+    """What a checkpoint records of the optimizer that wrote it (see :func:`check_same_optimizer`)."""
+    return type(unwrap(optimizer)).__name__
+
+
+def check_same_optimizer(saved_class: Optional[str], optimizer: Any, where: Any) -> None:
+    """A checkpoint's optimizer state loads only into the optimizer class that wrote it: AdamW's exp_avg in an
+    SGD's state (and AdamW's betas in its groups) would resume without a word and train as neither."""
+    mine = optimizer_class(optimizer)
+    if saved_class and saved_class != mine:
+        raise ValueError(f"Checkpoint{f' {where}' if where else ''} holds {saved_class} state, but this run's optimizer is {mine}: its "
+                         f"state and hyperparameters would be loaded into {mine}'s. Build the same optimizer in "
+                         f"configure_optimizers to resume, or start the new optimizer from the weights alone "
+                         f"(LightningModule.load_from_checkpoint, then fit without ckpt_path; the DeepSpeed-style "
+                         f"engine: load_checkpoint(..., load_optimizer_states=False)).")
+
+
 def load_optimizer_state(engine: ZeroEngine, optimizer: Any, saved: dict[str, Any]) -> None:
     """Slice a full optimizer state (ours at any world size, or a plain optimizer's) into this rank's pieces."""
     optimizer = unwrap(optimizer)
     if "state" not in saved or "param_groups" not in saved:
         raise ValueError("This optimizer state is neither torch's format nor lightning_zero's; resume it with the "
                          "strategy that wrote it, or load only the weights.")
+    check_same_optimizer(saved.get("lightning_zero", {}).get("optimizer"), optimizer, None)
     if len(saved["param_groups"]) != len(optimizer.param_groups):
         raise ValueError(f"Checkpoint has {len(saved['param_groups'])} optimizer param groups, the optimizer "
                          f"has {len(optimizer.param_groups)}: configure_optimizers must build the same groups.")
