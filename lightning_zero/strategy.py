@@ -32,7 +32,7 @@ from .checkpoint import lightning_io
 from .collectives import Comm
 from .config import ZeroConfig, ZeroConfigError, _reject_unknown
 from .engine import ZeroEngine
-from .engine.materialize import RngState, has_meta, move_all_but_flattened
+from .engine.materialize import RngState, has_meta, meta_parameters, move_all_but_flattened
 from .engine.memory import MemoryReport, memory_report
 from .engine.state import full_model_state, full_optimizer_state
 from .precision.batchnorm import match_batchnorm
@@ -338,13 +338,14 @@ class ZeroStrategy(ParallelStrategy):
 
     @contextmanager
     def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
-        """Stage 3 builds models on the meta device; the engine materializes them shard by shard."""
+        """Stage 3 builds models with their parameters on the meta device (buffers for real, see
+        ``meta_parameters``); the engine materializes them shard by shard."""
         if not self.config.shard_params or empty_init is False:
             with super().tensor_init_context(empty_init):
                 yield
             return
         self._init_rng = RngState()
-        with torch.device("meta"), self.precision_plugin.tensor_init_context():
+        with meta_parameters(self.root_device), self.precision_plugin.tensor_init_context():
             yield
 
     # ---- the training step (Lightning calls these after setup: the engine exists) -----------------

@@ -1,8 +1,9 @@
 """``lightning_zero.zero``: DeepSpeed's ``deepspeed.zero.Init`` and ``deepspeed.zero.GatheredParameters``.
 
 [Note: building a model too big for one rank]
-``with zero.Init(): model = Model()`` builds the model on the meta device (no memory, no values)
-and remembers the random-number state at entry. ``initialize`` then materializes it module by
+``with zero.Init(): model = Model()`` builds the model's parameters on the meta device (no memory, no
+values; buffers, and the parameters of modules without ``reset_parameters``, keep their constructor
+values: see ``meta_parameters``) and remembers the random-number state at entry. ``initialize`` then materializes it module by
 module on the training device from each module's ``reset_parameters()`` replayed from that state,
 and shards each group as soon as it is complete (see [Note: initialization and seeds]), so no
 rank ever holds the whole model and the values equal a normal build with the same seed. The
@@ -26,7 +27,7 @@ import torch
 from torch import nn
 
 from .engine import ZeroEngine
-from .engine.materialize import RngState
+from .engine.materialize import RngState, meta_parameters
 from .engine.state import set_unit_values
 
 __all__ = ["Init", "GatheredParameters", "init_rng_for"]
@@ -52,19 +53,19 @@ class Init:
                  config_dict_or_path: Any = None, config: Any = None, enabled: bool = True,
                  dtype: Optional[torch.dtype] = None, mpu: Any = None, **_: Any) -> None:
         self.enabled = enabled and module is None
-        self._device: Optional[torch.device] = None
+        self._context: Any = None
 
     def __enter__(self) -> Init:
         if self.enabled:
             _last_init[0] = RngState()
-            self._device = torch.device("meta")
-            self._device.__enter__()
+            self._context = meta_parameters(torch.device("cpu"))  # buffers go to the device with the engine
+            self._context.__enter__()
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        if self._device is not None:
-            self._device.__exit__(*exc)
-            self._device = None
+        if self._context is not None:
+            self._context.__exit__(*exc)
+            self._context = None
 
 
 def _as_list(params: Any) -> list[torch.Tensor]:

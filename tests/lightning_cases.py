@@ -537,9 +537,11 @@ def init_module_case(rank: int, world: int, with_metric: bool = False) -> dict:
     with trainer.init_module():
         module = BlockLM() if with_metric else PlainBlockLM()
     on_meta = all(p.is_meta for p in module.parameters())
-    before = trainer.validate(module, lm_data(16), verbose=False)[0]["val_loss"]
+    first = trainer.validate(module, lm_data(16), verbose=False)[0]
+    before = first["val_loss"]
     trainer.fit(module, lm_data())
     after = trainer.validate(module, lm_data(16), verbose=False)[0]["val_loss"]
     shapes = {k: tuple(v.shape) for k, v in trained_state(trainer, module).items()}
     return {"on_meta": on_meta, "before": before, "after": after, "losses": module.losses, "shapes": shapes,
+            "val_acc": first.get("val_acc"),
             "reference_shapes": {k: tuple(v.shape) for k, v in PlainBlockLM().state_dict().items()}}

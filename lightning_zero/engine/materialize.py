@@ -14,14 +14,47 @@ materialized the engine shards them, so no rank ever holds the whole model.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Optional
 
 import torch
 from torch import nn
+from torch.nn.modules.module import register_module_parameter_registration_hook
 
 __all__ = ["has_meta", "materialize_module", "model_initializers", "RngState", "check_no_meta_left",
-           "move_all_but_flattened"]
+           "move_all_but_flattened", "meta_parameters"]
+
+# modules built under meta_parameters whose parameters kept their constructor values (no reset_parameters)
+_built_real: weakref.WeakSet = weakref.WeakSet()
+
+
+@contextmanager
+def meta_parameters(device: torch.device) -> Iterator[None]:
+    """Build a model with its parameters on the meta device and everything else for real on ``device``.
+
+    Buffers and the tensors ``__init__`` computes (a causal mask, rotary frequencies) keep their values: no
+    ``reset_parameters`` would rebuild them. Each floating-point parameter of a module with
+    ``reset_parameters()`` becomes a meta twin as it is registered (its memory is given back at once); the
+    engine materializes it from ``reset_parameters`` replayed (see [Note: initialization and seeds]). A module
+    without ``reset_parameters`` (a hand-written LayerNorm's ``torch.ones``) keeps its constructor values: they
+    are its only initialization; such parameters are usually small.
+    """
+    def to_meta(module: nn.Module, name: str, param: Optional[nn.Parameter]) -> Optional[nn.Parameter]:
+        if param is None or param.is_meta or not param.is_floating_point():
+            return None
+        if not callable(getattr(module, "reset_parameters", None)):
+            _built_real.add(module)
+            return None
+        return nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=param.requires_grad)
+
+    handle = register_module_parameter_registration_hook(to_meta)
+    try:
+        with torch.device(device):
+            yield
+    finally:
+        handle.remove()
 
 
 class RngState:
@@ -95,24 +128,34 @@ def materialize_module(name: str, module: nn.Module, device: torch.device, remap
         if p is not None and id(p) in remap:
             module._parameters[key] = remap[id(p)]
     if not _own_meta(module):
+        if module in _built_real and model_init is not None:
+            model_init(module)  # as a normal build's post-construction pass (Hugging Face's post_init) would
         return
     before = dict(module._parameters)
-    kept = {n: p.detach().clone() for n, p in module.named_parameters(recurse=False) if not p.is_meta}
-    has_params = any(t.is_meta for t in list(module.parameters(recurse=False)) + list(module.buffers(recurse=False)))
+    own = list(module.named_parameters(recurse=False)) + list(module.named_buffers(recurse=False))
+    kept = {n: t.detach().clone() for n, t in own if not t.is_meta}  # to_empty replaces every own tensor
+    empty = [n for n, t in own if t.is_meta]
     module.to_empty(device=device, recurse=False)
+    for n in empty:  # a value nothing below writes stays NaN, and is caught
+        if getattr(module, n).is_floating_point():
+            getattr(module, n).data.fill_(float("nan"))
     reset = getattr(module, "reset_parameters", None)
     if callable(reset):
         reset()
     if model_init is not None:
         model_init(module)
-    elif not callable(reset) and has_params:
-        raise RuntimeError(
-            f"Module '{name or type(module).__name__}' ({type(module).__name__}) was built on the meta device but has "
-            f"no reset_parameters(), so its parameters and buffers cannot be initialized shard by shard. Add a "
-            f"reset_parameters() method that initializes its own tensors, or build the model normally "
-            f"(ZeroStrategy builds on the meta device under trainer.init_module() and in configure_model).")
     for n, value in kept.items():
         getattr(module, n).data.copy_(value)
+    missed = [n for n in empty if getattr(module, n).is_floating_point() and getattr(module, n).numel()
+              and bool(getattr(module, n).isnan().all())]
+    if missed or (not callable(reset) and model_init is None and empty):
+        raise RuntimeError(
+            f"Module '{name or type(module).__name__}' ({type(module).__name__}) was built on the meta device and "
+            f"nothing gives {', '.join(repr(n) for n in (missed or empty))} values: "
+            f"{'its reset_parameters() does not set them' if callable(reset) else 'it has no reset_parameters()'}"
+            f"{' and the model initializer skips them' if model_init is not None else ''}, so they cannot be "
+            f"initialized shard by shard. Initialize them in the module's reset_parameters(), or build the model "
+            f"normally (ZeroStrategy builds on the meta device under trainer.init_module() and in configure_model).")
     for key, old in before.items():
         new = module._parameters[key]
         if old is not None and new is not old:

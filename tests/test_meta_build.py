@@ -1,0 +1,40 @@
+"""Stage 3 builds parameters on the meta device; buffers and hand-initialized parameters keep their values."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from dist_utils import run_ranks
+from meta_build_cases import SEQ, fit_case, zero_init_case
+
+
+@pytest.mark.slow
+def test_a_nanogpt_style_model_in_configure_model_trains_as_under_ddp():
+    """A causal-mask buffer, a hand-written LayerNorm (torch.ones, no reset_parameters) and a parameter filled
+    in __init__: under DDP they are plain values; stage 3's meta build must keep every one of them."""
+    ours = run_ranks(fit_case, 2, "zero3", lightning=True, timeout=180)
+    ddp = run_ranks(fit_case, 2, "ddp", lightning=True, timeout=180)
+    for mine, ref in zip(ours, ddp):
+        assert mine["losses"] == pytest.approx(ref["losses"], rel=1e-5, abs=1e-6)
+    for key, value in ddp[0]["state"].items():
+        torch.testing.assert_close(ours[0]["state"][key], value, rtol=1e-5, atol=1e-6, msg=key)
+
+
+@pytest.mark.slow
+def test_a_parameter_drawn_in_init_is_kept_as_rank_0_drew_it():
+    """Each rank draws its own value at construction (other seeds); as under DDP, every rank trains from rank 0's
+    (lr 0: the values after fit are the initial ones)."""
+    r0, r1 = run_ranks(fit_case, 2, "zero3", True, lightning=True, timeout=180)
+    assert not torch.equal(r0["drawn"], r1["drawn"])
+    assert all(torch.isfinite(torch.tensor(r0["losses"] + r1["losses"])))
+    for r in (r0, r1):
+        assert torch.equal(r["state"]["net.bump"], r0["drawn"])
+
+
+def test_zero_init_keeps_buffers_and_refuses_a_parameter_nothing_initializes():
+    r0, r1 = run_ranks(zero_init_case, 2, timeout=120)
+    assert torch.equal(r0["mask"], torch.tril(torch.ones(SEQ, SEQ)).view(1, SEQ, SEQ))
+    assert torch.equal(r0["positions"], torch.arange(SEQ).float().div(SEQ).unsqueeze(-1))
+    assert r0["loss"] == r1["loss"] and torch.isfinite(torch.tensor(r0["loss"]))
+    for r in run_ranks(zero_init_case, 2, True, timeout=120):
+        assert "'bias'" in r["error"] and "reset_parameters() does not set them" in r["error"], r["error"]
