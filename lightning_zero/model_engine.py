@@ -34,6 +34,7 @@ from .ds_config import DeepSpeedImport, resolve_batch
 from .engine import ZeroEngine
 from .engine.materialize import RngState
 from .engine.state import full_model_state, load_model_state, load_optimizer_state
+from .precision.buffers import match_compute_dtype
 from .precision.step import LossScaling, make_scaler, zero_step
 
 log = logging.getLogger(__name__)
@@ -65,6 +66,7 @@ class ZeroModelEngine(nn.Module):
         self.zero = ZeroEngine(model, [optimizer], ds.zero, comm, device, self.compute_dtype, init_rng=init_rng,
                                free_grads_at_step=True)
         self.scaling = LossScaling(make_scaler(ds.zero, self.compute_dtype))
+        match_compute_dtype(model, self.compute_dtype, mixed=True)  # its forward runs under autocast (see forward)
         self.zero.ranks_on_node = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
         if self.zero.offloader is not None:  # the host steps during backward; clipping / fp16 make it speculative
             changers = " and ".join(what for what, present in (("gradient clipping", bool(ds.gradient_clip_val)),

@@ -35,7 +35,7 @@ from .engine import ZeroEngine
 from .engine.materialize import RngState, has_meta, meta_parameters, move_all_but_flattened
 from .engine.memory import MemoryReport, memory_report
 from .engine.state import full_model_state, full_optimizer_state
-from .precision.batchnorm import match_batchnorm
+from .precision.buffers import match_compute_dtype
 from .precision.plugin import ZeroPrecision, to_zero_precision
 from .presets import PRESETS
 from .summary import install_summary
@@ -191,6 +191,8 @@ class ZeroStrategy(ParallelStrategy):
         fitting = trainer.state.fn == TrainerFn.FITTING
         if self.engine is None or fitting or self.engine.module is not self.lightning_module:
             self._release_engine()
+            if fitting and self._layer_sync is not None:  # Trainer(sync_batchnorm=True), as DDPStrategy's setup
+                self._sync_batchnorm()
             self.model_to_device()
             if fitting:
                 self.setup_optimizers(trainer)
@@ -206,6 +208,12 @@ class ZeroStrategy(ParallelStrategy):
         if fitting and self.precision_plugin.scaler is not None and self.config.scheduler_on_skip == "hold":
             self._undo_hold = lightning_loop.hold_schedulers_on_skip(trainer, self.lightning_module,
                                                                      self.precision_plugin.step_applied)
+
+    def _sync_batchnorm(self) -> None:
+        if self.root_device.type == "cpu":
+            raise ZeroConfigError("Trainer(sync_batchnorm=True) converts BatchNorm layers to torch's SyncBatchNorm, "
+                                  "which runs on GPUs only: train on GPUs, or drop sync_batchnorm on CPU.")
+        self.model = self._layer_sync.apply(self.model)
 
     def _place_host_threads(self) -> None:
         """Offload: each rank's host step takes its share of the node's cores (OMP_NUM_THREADS wins)."""
@@ -266,7 +274,7 @@ class ZeroStrategy(ParallelStrategy):
             wrappers=lightning_compat.lightning_optimizers(self) if fitting else (),
             free_grads_at_step=fitting and lightning_loop.zero_grad_before_next_backward(self.lightning_module))
         self.precision_plugin.attach(engine, self.root_device.type)
-        self._norm_hooks = match_batchnorm(self.lightning_module, self.precision_plugin.compute_dtype,
+        self._norm_hooks = match_compute_dtype(self.lightning_module, self.precision_plugin.compute_dtype,
                                            getattr(self.precision_plugin, "mixed", False))
         engine.say, engine.ranks_on_node = rank_zero_info, self.num_processes
         if self.config.delayed_step and engine.offloader is not None and fitting and not engine.free_grads_at_step:

@@ -295,3 +295,40 @@ def test_weight_clipping_reaches_the_masters_on_the_gpu(stage, offload):
     trainer.fit(Critic(), DataLoader([(torch.randn(8),) for _ in range(16)], batch_size=4))
     bound = torch.tensor(0.05, dtype=torch.bfloat16).item()  # the 16-bit value the clamp writes
     assert max(v.abs().max().item() for v in trainer.strategy.full_state_dict().values()) <= bound
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_sync_batchnorm_converts_the_layers_and_trains_as_ddp(stage):
+    """Trainer(sync_batchnorm=True) converts BatchNorm to SyncBatchNorm, as DDPStrategy's setup (it was ignored)."""
+    import lightning.pytorch as pl
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_zero import ZeroStrategy
+
+    class Net(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 1))
+            self.types: set = set()
+
+        def training_step(self, batch, batch_idx):
+            self.types = {type(m).__name__ for m in self.net.modules()}
+            return self.net(batch[0]).pow(2).mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    out = {}
+    for name, strategy in (("ddp", "ddp"), ("zero", ZeroStrategy(stage=stage))):
+        pl.seed_everything(0, verbose=False)
+        module = Net()
+        trainer = pl.Trainer(accelerator="gpu", devices=1, strategy=strategy, sync_batchnorm=True, max_steps=3,
+                             logger=False, enable_checkpointing=False, enable_progress_bar=False)
+        trainer.fit(module, DataLoader(TensorDataset(torch.randn(24, 4, generator=torch.Generator().manual_seed(1))),
+                                       batch_size=8))
+        state = trainer.strategy.full_state_dict() if name == "zero" else module.state_dict()
+        out[name] = (module.types, {k: v.detach().float().cpu() for k, v in state.items()})
+    assert "SyncBatchNorm" in out["zero"][0] and "BatchNorm1d" not in out["zero"][0]
+    for key, value in out["ddp"][1].items():
+        torch.testing.assert_close(out["zero"][1][key], value, rtol=1e-5, atol=1e-6, msg=key)

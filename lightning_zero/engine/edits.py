@@ -53,6 +53,10 @@ class EditWatch:
         absorb_edits(self.units, lambda unit: unit.index not in host or (offloaded_too and reachable),
                      lambda unit: marked and reachable and unit.index in host)
 
+    def absorb_unit(self, unit: FlatUnit, host: Collection[int], reachable: bool) -> None:
+        """One gathered unit's edits (a forward changed its parameters in place), before it is freed."""
+        absorb_edits([unit], lambda u: u.index not in host or reachable)
+
     def mark_published(self, host: Collection[int], reachable: bool) -> None:
         """After a step: the fingerprints of what the offloaded units published."""
         if reachable:

@@ -42,6 +42,7 @@ from .offload import Offloader
 from .optim import Routes, check_optimizer, pieces_in_groups, unwrap
 from .readiness import ForwardOrder
 from .schedule_check import GatherScheduleCheck
+from .supported import check_supported
 from .torch_clip import install as install_torch_clip
 from .weak import weakly
 
@@ -85,6 +86,7 @@ class ZeroEngine:
         self.reduce_dtype = dtype_of(config.reduce_dtype, compute_dtype)
         for optimizer in self.optimizers:
             check_optimizer(optimizer, config.allow_untested_optimizer)
+        check_supported(module)
         apply_activation_checkpointing(module, config.activation_checkpointing)
         self.names = {id(p): n for n, p in module.named_parameters()}
         self._position = {id(p): i for i, (_, p) in enumerate(module.named_parameters())}
@@ -220,11 +222,16 @@ class ZeroEngine:
     def _make_gatherer(self) -> Gatherer:
         unit_of = {id(p): u for u in self.units for p in u.params}
         small = {u.index for u in self.units if u.layout.numel < self.config.param_persistence_threshold}
-        return Gatherer(build_needs(self.module, self.group_modules, unit_of), self.comm.sibling(), self.config.prefetch,
+        gatherer = Gatherer(build_needs(self.module, self.group_modules, unit_of), self.comm.sibling(), self.config.prefetch,
                         small, members_of(self.module, self.group_modules),
                         copy_stream=self.offloader.copy_stream if self.offloader is not None else None,
                         schedule=GatherScheduleCheck(self.comm, self.device, [u.names[0] for u in self.units]),
                         on_unscoped_forward=weakly(self._meet_for_forward))  # weakly: no cycle through the hooks
+        gatherer.on_forward_edit = weakly(self._take_forward_edits)
+        return gatherer
+
+    def _take_forward_edits(self, unit: FlatUnit) -> None:
+        self.edit_watch.absorb_unit(unit, self._host_indices(), self._host_edits_reachable())
 
     def _meet_for_forward(self) -> None:
         self.comm.rendezvous(UNSCOPED_FORWARD, self.config.rendezvous_timeout_s)

@@ -39,7 +39,7 @@ from __future__ import annotations
 import enum
 import weakref
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, Optional
 
@@ -89,11 +89,12 @@ class _Call:
 class _UnitGather:
     """One unit's gather bookkeeping: who holds it, the all-gather in flight, the event to wait for."""
 
-    __slots__ = ("unit", "holders", "pending", "ready")
+    __slots__ = ("unit", "holders", "pending", "ready", "versions")
 
     def __init__(self, unit: FlatUnit) -> None:
         self.unit = unit
         self.holders = 0
+        self.versions: Optional[list[int]] = None  # the parameters' versions when they were pointed at the gather
         self.pending: Optional[Handle] = None  # all-gather in flight, not yet waited for
         self.ready: Optional[Any] = None  # CUDA event the compute stream waits for before use (side-stream copy)
 
@@ -165,6 +166,7 @@ class Gatherer:
         self.scopes = 0
         self._running = 0  # group forwards running now (nested ones are inside the outermost)
         self.on_unscoped_forward = on_unscoped_forward
+        self.on_forward_edit: Optional[Callable[[FlatUnit], None]] = None  # see post_forward
         self.comm = comm
         self.prefetch = prefetch
         self.persistent = persistent
@@ -180,11 +182,11 @@ class Gatherer:
         self.peak_gathered_bytes = 0
         self.copy_stream = copy_stream  # offload: host-to-device copies and their gathers run here
         self._hooks: list = []
-        for module in needs:
-            self._hooks.append(module.register_forward_pre_hook(self._pre_forward, with_kwargs=True))
+        for module in needs:  # first: the user's own pre-hooks (weight_norm's, pruning's) read gathered values
+            self._hooks.append(module.register_forward_pre_hook(self._pre_forward, with_kwargs=True, prepend=True))
             self._hooks.append(module.register_forward_hook(self._post_forward))
         for member in members or {}:
-            self._hooks.append(member.register_forward_pre_hook(self._pre_forward_member))
+            self._hooks.append(member.register_forward_pre_hook(self._pre_forward_member, prepend=True))
         for slot in self.slots.values():
             if slot.unit.index in persistent:
                 self._acquire(slot.unit)
@@ -251,6 +253,7 @@ class Gatherer:
         self._wait(unit)
         with torch.inference_mode(False):
             unit.point_params_at_full()
+        self.slots[unit.index].versions = [p._version for p in unit.params]
 
     def _release(self, unit: FlatUnit) -> None:
         slot = self.slots[unit.index]
@@ -321,9 +324,25 @@ class Gatherer:
             self._acquire(unit)
         self._prefetch_from(group, +1)
 
+    def take_edits(self, units: Optional[list[FlatUnit]] = None) -> None:
+        """Gathered units (default: all) whose parameters changed in place since their gather hand their edits to
+        ``on_forward_edit``: only in forward time (outside backward, where an offloaded master may be stepping)."""
+        if self.on_forward_edit is None:
+            return
+        for unit in units if units is not None else self.units:
+            slot = self.slots[unit.index]
+            if unit.state is UnitState.UNSHARDED and slot.versions is not None:
+                now = [p._version for p in unit.params]
+                if now != slot.versions:
+                    self.on_forward_edit(unit)
+                    slot.versions = now
+
     def post_forward(self, group: _Group) -> None:
-        """A forward of ``group`` ended: free it (its backward gathers it again)."""
+        """A forward of ``group`` ended: free it (its backward gathers it again). A unit the forward changed in
+        place (``nn.Embedding(max_norm=...)`` renormalizes its rows) hands its edits to ``on_forward_edit``
+        first: freed, they would be lost."""
         group.forwards -= 1
+        self.take_edits(group.units)
         for unit in group.units:
             self._release(unit)
         group.settle()
@@ -482,6 +501,7 @@ class Gatherer:
             yield
         finally:
             self.scopes -= 1
+            self.take_edits()  # the step's forwards are over: edits of what stays gathered until backward ends
             if until_backward_end:
                 self._held_until_backward_end.extend(units)
             else:

@@ -39,8 +39,10 @@ import torch
 from torch.profiler import record_function
 
 from ..collectives import Comm, Handle
+from ..config import ZeroConfigError
 from .flat_unit import FlatUnit
 from .readiness import reached_leaves
+from .supported import SPARSE_GRADIENT
 from .weak import weakly
 
 __all__ = ["GradientReducer", "ReducePolicy"]
@@ -231,6 +233,8 @@ class GradientReducer:
             self._launch(unit, during_backward=True)
 
     def _accumulate(self, unit: FlatUnit, slot: int, grad: torch.Tensor) -> None:
+        if grad.layout != torch.strided:  # F.embedding(sparse=True): check_supported sees only the modules
+            raise ZeroConfigError(SPARSE_GRADIENT.format(what=f"'{unit.names[slot]}'"))
         if unit.grad_full is None:
             if self.policy.shard_grads:
                 self._make_room()
