@@ -40,7 +40,8 @@ if TYPE_CHECKING:
     from .collectives import Comm
     from .engine import ZeroEngine
 
-__all__ = ["attempt_store", "start_lightning_group", "ExitHook", "exit_hook", "keep_engine", "take_kept_engine"]
+__all__ = ["attempt_store", "start_lightning_group", "ExitHook", "exit_hook", "keep_engine", "take_kept_engine",
+           "is_kept"]
 
 
 def attempt_store(timeout: timedelta) -> Optional[Any]:
@@ -126,6 +127,12 @@ def keep_engine(engine: ZeroEngine) -> None:
 def take_kept_engine(module: Any) -> Optional[ZeroEngine]:
     ref = _kept_engines.pop(module, None) if module is not None else None
     return ref() if ref is not None else None
+
+
+def is_kept(module: Any) -> bool:
+    """Whether a stage-3 engine of an earlier run still shards ``module``."""
+    ref = _kept_engines.get(module) if module is not None else None
+    return ref is not None and ref() is not None
 
 
 def kept_engines() -> list[ZeroEngine]:

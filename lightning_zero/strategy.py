@@ -128,9 +128,10 @@ class ZeroStrategy(ParallelStrategy):
         # setup (so a module's on_load_checkpoint runs before configure_optimizers) and the engine
         # shards those values. A model still on the meta device can only take them after setup.
         # A stage-3 engine kept after fit holds the only copy of the weights (the module's parameters are
-        # placeholders): a checkpoint loaded then (test(ckpt_path=...)) goes into its shards.
+        # placeholders): a checkpoint loaded then (test(ckpt_path=...)) goes into its shards; so does one given to a
+        # new Trainer with a module an earlier Trainer's stage-3 engine still shards (its setup unshards it first).
         module = self.lightning_module
-        return module is not None and (has_meta(module) or self.engine is not None)
+        return module is not None and (has_meta(module) or self.engine is not None or process_group.is_kept(module))
 
     @property
     def precision_plugin(self) -> ZeroPrecision:
