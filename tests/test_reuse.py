@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from dist_utils import run_ranks
-from reuse_cases import predict_case, reuse_case
+from reuse_cases import reuse_case
 
 
 @pytest.mark.slow
