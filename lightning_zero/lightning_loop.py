@@ -12,7 +12,7 @@ from typing import Any, Optional
 
 import torch
 
-__all__ = ["zero_grad_before_next_backward", "overlap_blocker", "gradient_readers", "gradient_changers", "check_even_batches", "replay_finetuning_restore",
+__all__ = ["zero_grad_before_next_backward", "overlap_blocker", "gradient_readers", "gradient_changers", "uneven_batches", "uneven_batches_error", "RepeatLastBatch", "replay_finetuning_restore",
            "hold_schedulers_on_skip", "checkpoint_readers"]
 
 _GRAD_HOOKS = ("on_after_backward", "on_before_optimizer_step")
@@ -67,21 +67,45 @@ def gradient_changers(trainer: Any, loss_scaling: bool) -> Optional[str]:
     return " and ".join(found) or None
 
 
-def check_even_batches(loop: Any, stage: str, comm: Any, device: torch.device) -> None:
-    """Raise if ranks have different numbers of evaluation batches (one all-reduce per bound)."""
+def uneven_batches(loop: Any, comm: Any, device: torch.device) -> Optional[tuple[list[int], list[int], list[int]]]:
+    """(this rank's, the fewest, the most) batches per dataloader of an evaluation loop when the ranks' counts
+    differ; None when they agree or a loader has no length (then the collective timeout names a mismatch).
+    One all-reduce per bound."""
     counts = [float(n) for n in getattr(loop, "max_batches", [])]
     if comm.world_size == 1 or not counts or float("inf") in counts:
-        return  # unsized loaders: the collective timeout turns a mismatch into an error
+        return None
     mine = torch.tensor(counts, dtype=torch.float64, device=device)
     high, low = comm.all_reduce(mine.clone(), op="max"), -comm.all_reduce(-mine, op="max")
     if torch.equal(high, low):
-        return
-    raise RuntimeError(
-        f"ZeroStrategy(stage=3): ranks have different numbers of {stage} batches (this rank: "
-        f"{[int(c) for c in counts]}, between {[int(x) for x in low.tolist()]} and {[int(x) for x in high.tolist()]} "
-        f"across ranks). Every stage-3 forward gathers parameters on all ranks, so uneven batches would hang. Use "
-        f"Lightning's DistributedSampler (use_distributed_sampler=True, the default), make your sampler give every "
-        f"rank the same number of batches, or evaluate with stage 1/2.")
+        return None
+    return [int(c) for c in counts], [int(x) for x in low.tolist()], [int(x) for x in high.tolist()]
+
+
+class RepeatLastBatch:
+    """Stage-3 predict over ranks with unequal batch counts: after a rank's last batch of a dataloader it runs
+    that batch again (outputs dropped) as many times as the busiest rank has batches more, so that every rank
+    issues the same gathers. Lightning's predict sampler hands the extra samples to the first ranks, at the end."""
+
+    def __init__(self, mine: list[int], high: list[int]) -> None:
+        self.mine, self.high, self.seen = mine, high, [0] * len(mine)
+
+    def after_step(self, step: Callable[..., Any], args: tuple, kwargs: dict) -> None:
+        index = args[2] if len(args) > 2 else kwargs.get("dataloader_idx", 0)
+        self.seen[index] += 1
+        if self.seen[index] == self.mine[index]:
+            for _ in range(self.high[index] - self.mine[index]):
+                step(*args, **kwargs)
+
+
+def uneven_batches_error(stage: str, mine: list[int], low: list[int], high: list[int]) -> RuntimeError:
+    fix = ("Use Lightning's DistributedSampler (use_distributed_sampler=True, the default), make your sampler give "
+           "every rank the same number of batches, or evaluate with stage 1/2.")
+    if stage == "predict":  # a rank with fewer predict batches repeats its last one (RepeatLastBatch)
+        fix = "A rank with no predict batch has none to repeat: give every rank a batch, or predict with stage 1/2."
+    return RuntimeError(
+        f"ZeroStrategy(stage=3): ranks have different numbers of {stage} batches (this rank: {mine}, between {low} "
+        f"and {high} across ranks). Every stage-3 forward gathers parameters on all ranks, so uneven batches would "
+        f"hang. {fix}")
 
 
 def replay_finetuning_restore(trainer: Any, module: Any) -> None:

@@ -84,6 +84,7 @@ class ZeroStrategy(ParallelStrategy):
         self._undo_averaging: Optional[Callable[[], None]] = None  # stage 3: averaging callbacks gather (setup)
         self._norm_hooks: list[Any] = []  # BatchNorm under 16-bit compute (precision/batchnorm.py)
         self._auto = AutoPlacement(self)  # zero_auto's plan, measured first step and re-plan
+        self._predict_repeats: Optional[lightning_loop.RepeatLastBatch] = None  # stage 3, uneven predict batches
         self._dumping = False  # inside the trainer's building of a checkpoint dict (see lightning_module_state_dict)
 
     # ---- what Lightning asks of a parallel strategy ---------------------------------------
@@ -402,7 +403,15 @@ class ZeroStrategy(ParallelStrategy):
 
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.engine.hold(self.lightning_module, until_backward_end=False):
-            return super().predict_step(*args, **kwargs)
+            out = super().predict_step(*args, **kwargs)
+        if self._predict_repeats is not None:
+            self._predict_repeats.after_step(self._repeat_predict_step, args, kwargs)
+        return out
+
+    def _repeat_predict_step(self, *args: Any, **kwargs: Any) -> None:
+        """A predict step whose output is dropped: this rank joins the gathers of the others' extra batches."""
+        with self.engine.hold(self.lightning_module, until_backward_end=False):
+            super().predict_step(*args, **kwargs)
 
     def step_applied(self, optimizer: Any) -> Optional[bool]:
         """Whether ``optimizer``'s last step changed the model: False when fp16 overflow skipped it, None before
@@ -427,7 +436,13 @@ class ZeroStrategy(ParallelStrategy):
 
     def on_predict_start(self) -> None:
         self._settle()
-        self._check_even(self.lightning_module.trainer.predict_loop, "predict")
+        self._predict_repeats = None
+        uneven = self._uneven(self.lightning_module.trainer.predict_loop)
+        if uneven is not None:  # Lightning's predict sampler does not pad: short ranks repeat their last batch
+            mine, low, high = uneven
+            if min(mine) == 0:
+                raise lightning_loop.uneven_batches_error("predict", mine, low, high)
+            self._predict_repeats = lightning_loop.RepeatLastBatch(mine, high)
 
     def on_train_end(self) -> None:
         self._check_gather_schedule()
@@ -456,8 +471,16 @@ class ZeroStrategy(ParallelStrategy):
             self.engine.settle()
 
     def _check_even(self, loop: Any, stage: str) -> None:
-        if self.config.shard_params:  # every stage-3 forward gathers: an extra batch on one rank would hang
-            lightning_loop.check_even_batches(loop, stage, self.comm, self.root_device)
+        uneven = self._uneven(loop)
+        if uneven is not None:
+            raise lightning_loop.uneven_batches_error(stage, *uneven)
+
+    def _uneven(self, loop: Any) -> Optional[tuple[list[int], list[int], list[int]]]:
+        """Stage 3 with sharded units: every forward gathers, so an extra batch on one rank would hang."""
+        gatherer = self.engine.gatherer if self.engine is not None else None
+        if gatherer is None or len(gatherer.persistent) == len(gatherer.units):
+            return None  # nothing gathers in a forward: any counts run
+        return lightning_loop.uneven_batches(loop, self.comm, self.root_device)
 
     # ---- collectives Lightning uses (metrics, logging, barriers) -------------------------------
     def barrier(self, *args: Any, **kwargs: Any) -> None:

@@ -470,17 +470,18 @@ def meta_init_case(rank: int, world: int, dim: int, layers: int) -> dict:
             "tied": seen["tied"], "state": seen["state"], "reference": reference}
 
 
-def uneven_eval_case(rank: int, world: int) -> dict:
-    """Rank 1 gets one more validation batch than rank 0 (a custom, uneven split)."""
+def uneven_eval_case(rank: int, world: int, sharded: bool = True) -> dict:
+    """Rank 1 gets one more validation batch than rank 0 (a custom, uneven split); ``sharded=False``: the blocks
+    stay gathered (below the persistence threshold), so a forward gathers nothing."""
     pl.seed_everything(0, verbose=False)
     module = BlockLM()
     g = torch.Generator().manual_seed(1)
     val = DataLoader(TensorDataset(torch.randint(0, 37, (8 + 4 * rank, 9), generator=g)), batch_size=4)
     trainer = pl.Trainer(accelerator="cpu", devices=world, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
-                         strategy=ZeroStrategy(stage=3, wrap_modules=("Block",), collective_timeout_s=6.0))
-    trainer.validate(module, val, verbose=False)
-    return {}
+                         strategy=ZeroStrategy(stage=3, wrap_modules=("Block",), collective_timeout_s=6.0,
+                                               param_persistence_threshold=0 if sharded else 10**6))
+    return trainer.validate(module, val, verbose=False)[0]
 
 
 class Coder(nn.Module):

@@ -159,6 +159,9 @@ def test_a_forward_on_one_rank_after_fit_is_a_named_error_not_a_hang(member):
 def test_uneven_eval_batches_fail_clearly_instead_of_hanging():
     with pytest.raises(RuntimeError, match="different numbers of val batches"):
         run_ranks(uneven_eval_case, 2, lightning=True, timeout=120)
+    # nothing gathers in a forward when every unit stays gathered: uneven counts run, as under DDP
+    r0, r1 = run_ranks(uneven_eval_case, 2, False, lightning=True, timeout=120)
+    assert r0["val_loss"] == r1["val_loss"]
 
 
 @pytest.mark.slow

@@ -225,7 +225,9 @@ class ZeroEngine:
         gatherer = Gatherer(build_needs(self.module, self.group_modules, unit_of), self.comm.sibling(), self.config.prefetch,
                         small, members_of(self.module, self.group_modules),
                         copy_stream=self.offloader.copy_stream if self.offloader is not None else None,
-                        schedule=GatherScheduleCheck(self.comm, self.device, [u.names[0] for u in self.units]),
+                        # nothing to compare when every unit stays gathered (no forward gathers)
+                        schedule=(GatherScheduleCheck(self.comm, self.device, [u.names[0] for u in self.units])
+                                  if len(small) < len(self.units) else None),
                         on_unscoped_forward=weakly(self._meet_for_forward))  # weakly: no cycle through the hooks
         gatherer.on_forward_edit = weakly(self._take_forward_edits)
         return gatherer
