@@ -93,17 +93,27 @@ class _Wider(StepLM):
         self.fc1, self.fc2 = nn.Linear(24, 96), nn.Linear(96, 24)
 
 
-@pytest.mark.parametrize("fmt", ["sharded", "full"])
-@pytest.mark.parametrize("stage", [2, 3])
-def test_checkpoint_of_other_sizes_names_the_tensors(saved, tmp_path, fmt, stage):
-    """torch would print a line per tensor from deep inside the load; one line names the first ones."""
-    trainer, d = saved
-    path = d / "good.ckpt"
+def _checkpoint_in(fmt: str, saved, tmp_path):
+    """The saved StepLM checkpoint in format ``fmt``: sharded, full, or sharded consolidated into one file."""
+    path = saved[1] / "good.ckpt"
     if fmt == "full":
         path = tmp_path / "full.ckpt"
         writer = _trainer(checkpoint_format="full")
         writer.fit(StepLM(), dummy_loader())
         writer.save_checkpoint(path)
+    elif fmt == "consolidated":
+        from lightning_zero.checkpoint.export import write_checkpoint
+
+        write_checkpoint(path, tmp_path / "consolidated.ckpt")
+        path = tmp_path / "consolidated.ckpt"
+    return path
+
+
+@pytest.mark.parametrize("fmt", ["sharded", "full"])
+@pytest.mark.parametrize("stage", [2, 3])
+def test_checkpoint_of_other_sizes_names_the_tensors(saved, tmp_path, fmt, stage):
+    """torch would print a line per tensor from deep inside the load; one line names the first ones."""
+    path = _checkpoint_in(fmt, saved, tmp_path)
     trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=ZeroStrategy(stage=stage), max_steps=3, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          num_sanity_val_steps=0, limit_val_batches=0)
@@ -266,18 +276,7 @@ class _WithSGD(StepLM):
 @pytest.mark.parametrize("fmt", ["sharded", "full", "consolidated"])
 def test_optimizer_state_of_another_class_is_refused(saved, tmp_path, fmt):
     """AdamW's exp_avg loaded into an SGD (and its betas into SGD's groups) would resume as neither."""
-    trainer, d = saved
-    path = d / "good.ckpt"
-    if fmt == "full":
-        path = tmp_path / "full.ckpt"
-        writer = _trainer(checkpoint_format="full")
-        writer.fit(StepLM(), dummy_loader())
-        writer.save_checkpoint(path)
-    elif fmt == "consolidated":
-        from lightning_zero.checkpoint.export import write_checkpoint
-
-        path = tmp_path / "consolidated.ckpt"
-        write_checkpoint(d / "good.ckpt", path)
+    path = _checkpoint_in(fmt, saved, tmp_path)
     with pytest.raises(ValueError) as info:
         _trainer(steps=3).fit(_WithSGD(), dummy_loader(), ckpt_path=path)
     _one_line(info.value, "holds AdamW state", "optimizer is SGD", "load_from_checkpoint")
