@@ -55,6 +55,12 @@ class ZeroConfig:
             parameters not yet grouped becomes a group.
         prefetch: stage 3: groups whose all-gather is issued ahead of use (0 disables).
         param_persistence_threshold: stage 3: groups with fewer elements stay gathered.
+        real_init_bytes: stage 3, a model built in ``configure_model`` or under ``trainer.init_module()``: its
+            first this-many bytes of parameters are built for real (exactly a normal build's values, whatever
+            initializes them), the rest on the meta device, initialized from each module's
+            ``reset_parameters()`` as its group is sharded, so no rank holds a large model whole. 0 (or
+            ``init_module(empty_init=True)``) builds every parameter on the meta device. The default (4 MiB)
+            builds small models exactly and keeps a large one's memory probe at its shard.
         activation_checkpointing: class names of modules to run under torch's non-reentrant
             activation checkpointing (recomputation re-gathers stage-3 groups).
         collective_timeout_s: seconds a rank waits in a collective before it fails with an
@@ -125,6 +131,7 @@ class ZeroConfig:
     min_group_params: int = 10_000_000
     prefetch: int = 1
     param_persistence_threshold: int = 100_000
+    real_init_bytes: int = 2**22
     activation_checkpointing: tuple[str, ...] = ()
     collective_timeout_s: float = 1800.0
     rendezvous_timeout_s: float = 120.0
@@ -159,7 +166,7 @@ class ZeroConfig:
         for name in ("reduce_bucket_size", "min_group_params"):
             value = getattr(self, name)
             _check(isinstance(value, int) and value > 0, name, value, "use a positive number of elements")
-        for name in ("prefetch", "param_persistence_threshold", "initial_scale_power"):
+        for name in ("prefetch", "param_persistence_threshold", "initial_scale_power", "real_init_bytes"):
             value = getattr(self, name)
             _check(isinstance(value, int) and value >= 0, name, value, "use an integer >= 0")
         for name in ("reduce_dtype", "grad_accum_dtype"):

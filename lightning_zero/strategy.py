@@ -354,9 +354,10 @@ class ZeroStrategy(ParallelStrategy):
             with super().tensor_init_context(empty_init):
                 yield
             return
-        self._init_rng = RngState()
-        with meta_parameters(self.root_device), self.precision_plugin.tensor_init_context():
+        real_bytes = 0 if empty_init else self.config.real_init_bytes
+        with meta_parameters(self.root_device, real_bytes) as build, self.precision_plugin.tensor_init_context():
             yield
+        self._init_rng = build.rng
 
     # ---- the training step (Lightning calls these after setup: the engine exists) -----------------
     @contextmanager

@@ -532,7 +532,8 @@ class PlainBlockLM(BlockLM):
 def init_module_case(rank: int, world: int, with_metric: bool = False) -> dict:
     """``trainer.init_module()`` under zero3: meta parameters, then validate, fit and validate again."""
     pl.seed_everything(0, verbose=False)
-    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=ZeroStrategy(stage=3, wrap_modules=("Block",)),
+    trainer = pl.Trainer(accelerator="cpu", devices=world,
+                         strategy=ZeroStrategy(stage=3, wrap_modules=("Block",), real_init_bytes=0),
                          max_steps=4, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False)
     with trainer.init_module():

@@ -44,7 +44,7 @@ class MaskedAttention(nn.Module):
 
 
 class NanoLM(nn.Module):
-    def __init__(self, random_param: bool = False) -> None:
+    def __init__(self, random_param: bool = False, scaled_init: bool = False) -> None:
         super().__init__()
         self.emb = nn.Embedding(VOCAB, DIM)
         self.blocks = nn.ModuleList([nn.ModuleDict({"norm": HandNorm(DIM), "attn": MaskedAttention(DIM)})
@@ -54,6 +54,10 @@ class NanoLM(nn.Module):
         self.register_buffer("positions", torch.arange(SEQ).float().div(SEQ).unsqueeze(-1))
         # a parameter drawn at construction (its own module, no reset_parameters): kept as drawn
         self.bump = nn.Parameter(torch.randn(DIM) * 0.02 if random_param else torch.full((DIM,), 0.01))
+        if scaled_init:  # nanoGPT's scaled init of the residual projections, in the model's own __init__
+            for name, p in self.named_parameters():
+                if name.endswith("proj.weight"):
+                    nn.init.normal_(p, std=0.02 / 2)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         x = self.emb(idx) + self.positions[:idx.shape[1]] + self.bump
@@ -68,15 +72,15 @@ def data() -> DataLoader:
 
 
 class Built(pl.LightningModule):
-    def __init__(self, random_param: bool = False) -> None:
+    def __init__(self, random_param: bool = False, scaled_init: bool = False) -> None:
         super().__init__()
-        self.random_param = random_param
+        self.random_param, self.scaled_init = random_param, scaled_init
         self.losses: list[float] = []
         self.lr = 0.0 if random_param else 1e-2
 
     def configure_model(self) -> None:
         if not hasattr(self, "net"):
-            self.net = NanoLM(self.random_param)
+            self.net = NanoLM(self.random_param, self.scaled_init)
             self.drawn = self.net.bump.detach().cpu().clone()  # this rank's draw (not on the meta device)
 
     def training_step(self, batch, batch_idx):
@@ -90,13 +94,15 @@ class Built(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=self.lr)
 
 
-def fit_case(rank: int, world: int, strategy: str, random_param: bool = False) -> dict:
+def fit_case(rank: int, world: int, strategy: str, random_param: bool = False, real_init_bytes: int = 2**22,
+             scaled_init: bool = False) -> dict:
     pl.seed_everything(rank if random_param else 0, verbose=False)  # random_param: each rank draws its own
     chosen = (DDPStrategy() if strategy == "ddp"
-              else ZeroStrategy(config=ZeroConfig(stage=3, min_group_params=1, param_persistence_threshold=0)))
+              else ZeroStrategy(config=ZeroConfig(stage=3, min_group_params=1, param_persistence_threshold=0,
+                                                  real_init_bytes=real_init_bytes)))
     trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=chosen, max_steps=4, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
-    module = Built(random_param)
+    module = Built(random_param, scaled_init)
     trainer.fit(module, data())
     state = (trainer.strategy.full_state_dict(rank0_only=False) if strategy != "ddp"
              else {k: v.detach().cpu().clone() for k, v in module.state_dict().items()})

@@ -9,11 +9,15 @@ from meta_build_cases import SEQ, fit_case, zero_init_case
 
 
 @pytest.mark.slow
-def test_a_nanogpt_style_model_in_configure_model_trains_as_under_ddp():
+@pytest.mark.parametrize("real_init_bytes, scaled_init", [(0, False), (2**22, False), (2**22, True), (2000, False)],
+                         ids=["meta", "real", "real_scaled_init", "real_then_meta"])
+def test_a_nanogpt_style_model_in_configure_model_trains_as_under_ddp(real_init_bytes, scaled_init):
     """A causal-mask buffer, a hand-written LayerNorm (torch.ones, no reset_parameters) and a parameter filled
-    in __init__: under DDP they are plain values; stage 3's meta build must keep every one of them."""
-    ours = run_ranks(fit_case, 2, "zero3", lightning=True, timeout=180)
-    ddp = run_ranks(fit_case, 2, "ddp", lightning=True, timeout=180)
+    in __init__: under DDP they are plain values; stage 3's meta build must keep every one of them. Built for real
+    (below real_init_bytes), an init in the model's own __init__ (nanoGPT's scaled projections) is kept too; past
+    it, the meta parameters continue from the random state where the real ones stopped, as a normal build."""
+    ours = run_ranks(fit_case, 2, "zero3", False, real_init_bytes, scaled_init, lightning=True, timeout=180)
+    ddp = run_ranks(fit_case, 2, "ddp", False, real_init_bytes, scaled_init, lightning=True, timeout=180)
     for mine, ref in zip(ours, ddp):
         assert mine["losses"] == pytest.approx(ref["losses"], rel=1e-5, abs=1e-6)
     for key, value in ddp[0]["state"].items():

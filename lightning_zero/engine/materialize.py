@@ -24,35 +24,56 @@ from torch import nn
 from torch.nn.modules.module import register_module_parameter_registration_hook
 
 __all__ = ["has_meta", "materialize_module", "model_initializers", "RngState", "check_no_meta_left",
-           "move_all_but_flattened", "meta_parameters"]
+           "move_all_but_flattened", "meta_parameters", "MetaBuild"]
 
-# modules built under meta_parameters whose parameters kept their constructor values (no reset_parameters)
-_built_real: weakref.WeakSet = weakref.WeakSet()
+class MetaBuild:
+    """What :func:`meta_parameters` saw: ``rng``, the random state the meta parameters' initialization replays
+    from (the state when the first parameter went to the meta device; None: every parameter is real)."""
+
+    def __init__(self, real_bytes: int) -> None:
+        self.real_left = real_bytes
+        self.rng: Optional[RngState] = None
+        self._real: dict[int, weakref.ref] = {}  # parameters left real (assigned again: a tie, kept)
+
+    def left_real(self, param: nn.Parameter) -> bool:
+        ref = self._real.get(id(param))
+        return ref is not None and ref() is param
+
+    def keep_real(self, param: nn.Parameter) -> None:
+        self._real[id(param)] = weakref.ref(param)
 
 
 @contextmanager
-def meta_parameters(device: torch.device) -> Iterator[None]:
+def meta_parameters(device: torch.device, real_bytes: int = 0) -> Iterator[MetaBuild]:
     """Build a model with its parameters on the meta device and everything else for real on ``device``.
 
-    Buffers and the tensors ``__init__`` computes (a causal mask, rotary frequencies) keep their values: no
-    ``reset_parameters`` would rebuild them. Each floating-point parameter of a module with
-    ``reset_parameters()`` becomes a meta twin as it is registered (its memory is given back at once); the
-    engine materializes it from ``reset_parameters`` replayed (see [Note: initialization and seeds]). A module
-    without ``reset_parameters`` (a hand-written LayerNorm's ``torch.ones``) keeps its constructor values: they
-    are its only initialization; such parameters are usually small.
+    The first ``real_bytes`` of parameters stay real: a model that small is built exactly as a normal build
+    (any initialization in any ``__init__``), and sharded when the engine is built. Past them, each
+    floating-point parameter of a module with ``reset_parameters()`` becomes a meta twin as it is registered
+    (its memory is given back at once); the engine materializes it from ``reset_parameters`` replayed from the
+    random state at that point (see [Note: initialization and seeds]), which a normal build would continue
+    from. Buffers and the tensors ``__init__`` computes (a causal mask, rotary frequencies) keep their values:
+    no ``reset_parameters`` would rebuild them; so do the parameters of a module without ``reset_parameters``
+    (a hand-written LayerNorm's ``torch.ones``): those values are their only initialization.
     """
+    build = MetaBuild(real_bytes)
+
     def to_meta(module: nn.Module, name: str, param: Optional[nn.Parameter]) -> Optional[nn.Parameter]:
-        if param is None or param.is_meta or not param.is_floating_point():
+        if param is None or param.is_meta or not param.is_floating_point() or build.left_real(param):
             return None
-        if not callable(getattr(module, "reset_parameters", None)):
-            _built_real.add(module)
+        size = param.numel() * param.element_size()
+        if size <= build.real_left and build.rng is None or not callable(getattr(module, "reset_parameters", None)):
+            build.real_left -= size
+            build.keep_real(param)
             return None
+        if build.rng is None:
+            build.rng = RngState()
         return nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=param.requires_grad)
 
     handle = register_module_parameter_registration_hook(to_meta)
     try:
         with torch.device(device):
-            yield
+            yield build
     finally:
         handle.remove()
 
@@ -128,8 +149,6 @@ def materialize_module(name: str, module: nn.Module, device: torch.device, remap
         if p is not None and id(p) in remap:
             module._parameters[key] = remap[id(p)]
     if not _own_meta(module):
-        if module in _built_real and model_init is not None:
-            model_init(module)  # as a normal build's post-construction pass (Hugging Face's post_init) would
         return
     before = dict(module._parameters)
     own = list(module.named_parameters(recurse=False)) + list(module.named_buffers(recurse=False))
