@@ -8,6 +8,7 @@ times them, and at its end the ranks decide together whether a speculative step 
 
 from __future__ import annotations
 
+import weakref
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
@@ -24,10 +25,14 @@ __all__ = ["HostSchedule"]
 
 class HostSchedule:
     def __init__(self, engine: ZeroEngine) -> None:
-        self.engine = engine
+        self._engine = weakref.ref(engine)  # no cycle: an engine given back is freed by its last reference
         self.trial: Optional[SpeculationTrial] = None  # speculative_step='auto': the trial while it runs
         self.verdict: Any = None  # then its verdict (True, or "no:<why>")
         self.decision = ""  # and the line that says why
+
+    @property
+    def engine(self) -> ZeroEngine:
+        return self._engine()
 
     @property
     def speculating(self) -> bool:
