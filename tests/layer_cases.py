@@ -124,3 +124,36 @@ def engine_bf16_case(rank: int, world: int) -> dict:
         engine.step()
         losses.append(float(loss))
     return {"losses": losses}
+
+
+class FrozenBackbone(pl.LightningModule):
+    """A frozen backbone and a trainable head: each rank should hold half of the head's optimizer state."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.backbone = nn.Sequential(*[nn.Linear(128, 128) for _ in range(3)]).requires_grad_(False)
+        self.head = nn.Linear(128, 128)
+        self.state_bytes = 0
+
+    def training_step(self, batch, batch_idx):
+        return self.head(torch.tanh(self.backbone(batch[0]))).pow(2).mean()
+
+    def on_train_batch_start(self, batch, batch_idx):  # after the previous step: the optimizer state exists
+        opt = self.optimizers().optimizer
+        self.state_bytes = sum(v.untyped_storage().nbytes() for s in opt.state.values() for v in s.values()
+                               if isinstance(v, torch.Tensor) and v.dim() > 0)
+        self.report = self.trainer.strategy.memory_report().as_dict()
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.head.parameters(), lr=1e-3)
+
+
+def frozen_balance_case(rank: int, world: int, stage: int) -> dict:
+    pl.seed_everything(0, verbose=False)
+    module = FrozenBackbone()
+    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=ZeroStrategy(stage=stage), max_steps=3,
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False)
+    trainer.fit(module, DataLoader(TensorDataset(torch.randn(32, 128)), batch_size=4))
+    head = sum(p.numel() for p in module.head.parameters())
+    return {"state_bytes": module.state_bytes, "head_state_bytes": 8 * head, "report": module.report}

@@ -153,18 +153,23 @@ class ZeroEngine:
         """(parameters, group module or None): one entry per unit to build.
 
         Every floating-point parameter is flattened, trainable or not: frozen ones get the
-        compute dtype and (stage 3) are sharded too, and a later unfreeze can train them.
+        compute dtype and (stage 3) are sharded too, and a later unfreeze can train them. Frozen and
+        trainable parameters go to different units: a unit is split evenly by elements, so a trainable
+        head in one unit with a frozen backbone would put all of its gradients and optimizer state on
+        the last rank (more than DDP's memory there, none on the others).
         """
         params = [p for _, p in self.module.named_parameters() if p.is_floating_point()]
+        kinds = [[p for p in params if p.requires_grad], [p for p in params if not p.requires_grad]]
         if self.config.shard_params:
             owner = owner_of(self.module, self.group_modules)
-            plans = [([p for p in params if owner[id(p)] is g], g) for g in self.group_modules]
+            plans = [([p for p in kind if owner[id(p)] is g], g) for g in self.group_modules for kind in kinds]
             return [(mine, g) for mine, g in plans if mine]
-        backward_order = params[::-1]
         plans = []
-        for bucket in plan_buckets([p.numel() for p in backward_order], self.config.reduce_bucket_size):
-            members = sorted((backward_order[i] for i in bucket), key=lambda q: self._position[id(q)])
-            plans.append((members, None))
+        for kind in kinds:
+            backward_order = kind[::-1]
+            for bucket in plan_buckets([p.numel() for p in backward_order], self.config.reduce_bucket_size):
+                members = sorted((backward_order[i] for i in bucket), key=lambda q: self._position[id(q)])
+                plans.append((members, None))
         return plans
 
     def _build_units(self, init_rng: Optional[RngState]) -> None:

@@ -203,7 +203,10 @@ def _ours(engine: ZeroEngine, n: int, w: int, k: float) -> float:
     # offload_params the device keeps a compute-dtype shard of them to gather from
     off = engine.offloader.offloaded_numel / (sum(u.layout.shard_numel for u in engine.units) or 1) \
         if engine.offloader is not None else 0.0
-    per_rank = ((master + 4 + k) * (1 - off) + (4 + 4 + k) * off) * n / w  # master, fp32 gradient shard, state
+    # master and state for every managed element, the fp32 gradient shard for the trainable ones only (frozen
+    # parameters sit in units of their own, which never get a gradient); stage 3's parameters are placeholders
+    trainable = sum(shape.numel() for u in engine.units for p, shape in zip(u.params, u.shapes) if p.requires_grad)
+    per_rank = ((master + k) * (1 - off) + (4 + k) * off) * n / w + 4 * trainable / w
     if engine.config.shard_params:  # no 16-bit shard is kept: gathers cast the master
         gather_source = p * off * n / w if engine.config.offload_params == "none" else 0.0
         return per_rank + gather_source
