@@ -86,6 +86,11 @@ class _Call:
         return self._group()
 
 
+def _versions(unit: FlatUnit) -> list[int]:
+    """The parameters' version counters: an in-place change through a parameter moves its own (see take_edits)."""
+    return [p._version for p in unit.params]
+
+
 class _UnitGather:
     """One unit's gather bookkeeping: who holds it, the all-gather in flight, the event to wait for."""
 
@@ -253,7 +258,7 @@ class Gatherer:
         self._wait(unit)
         with torch.inference_mode(False):
             unit.point_params_at_full()
-        self.slots[unit.index].versions = [p._version for p in unit.params]
+        self.slots[unit.index].versions = _versions(unit)
 
     def _release(self, unit: FlatUnit) -> None:
         slot = self.slots[unit.index]
@@ -332,7 +337,7 @@ class Gatherer:
         for unit in units if units is not None else self.units:
             slot = self.slots[unit.index]
             if unit.state is UnitState.UNSHARDED and slot.versions is not None:
-                now = [p._version for p in unit.params]
+                now = _versions(unit)
                 if now != slot.versions:
                     self.on_forward_edit(unit)
                     slot.versions = now
