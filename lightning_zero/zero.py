@@ -114,8 +114,8 @@ class GatheredParameters:
         for p in params:
             unit, slot = engine.slot_of(p)
             view = unit.param_views(fulls[id(unit)])[slot]
-            original = p.data
-            p.data = view.to(dtype=torch.float32 if self.fp32 else p.dtype, copy=True)
+            original = p.data  # its device is where the module is (after fit: moved to the CPU, as under DDP)
+            p.data = view.to(device=original.device, dtype=torch.float32 if self.fp32 else p.dtype, copy=True)
             before = p.data.clone() if self.modifier_rank is not None and p.dtype != torch.float32 else None
             handed.append((p, original, before))
         self._held.append((engine, units, fulls, handed))
@@ -126,7 +126,10 @@ class GatheredParameters:
         for engine, units, fulls, handed in held:
             if self.modifier_rank is not None and exc[0] is None:
                 for p, _, before in handed:
-                    engine.comm.broadcast(p.data, src=self.modifier_rank)
+                    if p.device == engine.device:
+                        engine.comm.broadcast(p.data, src=self.modifier_rank)
+                    else:  # the collective runs on the engine's device
+                        p.data.copy_(engine.comm.broadcast(p.data.to(engine.device), src=self.modifier_rank))
                     if before is None or not torch.equal(p.data, before):  # untouched 16-bit values keep fp32 bits
                         unit, slot = engine.slot_of(p)
                         unit.param_views(fulls[id(unit)])[slot].copy_(p.data.float())

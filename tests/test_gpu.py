@@ -332,3 +332,65 @@ def test_sync_batchnorm_converts_the_layers_and_trains_as_ddp(stage):
     assert "SyncBatchNorm" in out["zero"][0] and "BatchNorm1d" not in out["zero"][0]
     for key, value in out["ddp"][1].items():
         torch.testing.assert_close(out["zero"][1][key], value, rtol=1e-5, atol=1e-6, msg=key)
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_module_after_a_stage3_fit_runs_on_the_cpu_as_ddps(precision):
+    """Lightning's teardown moves the module to the CPU: under DDP a forward with CPU inputs then runs there.
+    Under stage 3 the module stays sharded on the GPU: its gathers are shown on the CPU (a forward after fit with CPU
+    inputs met GPU parameters), a user's `module.cuda()` brings them back, and GatheredParameters follows too."""
+    import lightning.pytorch as pl
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_zero import ZeroStrategy
+    from lightning_zero.zero import GatheredParameters
+
+    class Net(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(3)])
+            self.head = nn.Linear(64, 1)
+
+        def forward(self, x):
+            return self.head(self.blocks(x))
+
+        def training_step(self, batch, batch_idx):
+            return self(batch[0]).float().pow(2).mean()
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(3))
+    out = {}
+    for name, strategy in (("ddp", "ddp"), ("zero3", ZeroStrategy(stage=3, wrap_modules=("Sequential",),
+                                                                  param_persistence_threshold=0))):
+        pl.seed_everything(0, verbose=False)
+        module = Net()
+        trainer = pl.Trainer(accelerator="gpu", devices=1, strategy=strategy, precision=precision, max_steps=3,
+                             logger=False, enable_checkpointing=False, enable_progress_bar=False)
+        trainer.fit(module, DataLoader(TensorDataset(torch.randn(24, 64, generator=torch.Generator().manual_seed(1))),
+                                       batch_size=8))
+        assert {p.device.type for p in module.parameters()} == {"cpu"}, name
+        with torch.no_grad():
+            on_cpu = module(x)
+            assert {p.device.type for p in module.parameters()} == {"cpu"}, name  # still there after the forward
+            again = module(x)
+        module.cuda()
+        with torch.no_grad():
+            on_gpu = module(x.cuda()).cpu()
+        module.cpu()
+        with GatheredParameters(list(module.head.parameters())):
+            head = [p.detach().clone() for p in module.head.parameters()]
+        state = trainer.strategy.full_state_dict() if name == "zero3" else module.state_dict()
+        plain = Net()
+        plain.load_state_dict({k: v.detach().float().cpu() for k, v in state.items()})
+        with torch.no_grad():
+            expected = plain(x)
+        for got in (on_cpu, again, on_gpu):  # the trained weights' own forward, wherever the module was moved
+            assert got.device.type == "cpu"
+            torch.testing.assert_close(got.float(), expected, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(head, [p.detach() for p in plain.head.parameters()], rtol=0, atol=0)
+        out[name] = on_cpu
+    if precision == "32-true":  # the same training as DDP's (bf16-mixed computes differently by design)
+        torch.testing.assert_close(out["zero3"], out["ddp"], rtol=1e-5, atol=1e-6)

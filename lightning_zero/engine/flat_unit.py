@@ -23,6 +23,14 @@ While a stage-3 unit is SHARDED each parameter's ``.data`` is an empty placehold
 shape ``(0, k)`` with ``k`` unique to the parameter: any use fails loudly instead of
 reading freed memory, and ``torch.equal`` still tells two sharded parameters apart (as
 Lightning's fine-tuning callbacks need).
+
+[Note: a module moved after fit]
+Lightning's teardown moves the module to the CPU, as DDP's module is after fit, and a user may move it
+anywhere with ``module.to(...)``: the placeholders move with it. A gather then still runs on the
+compute device (the shards live there) and the parameters are shown where the placeholders were, as a
+copy (``shown``); placeholders stay there after the release, so ``next(module.parameters()).device``
+and a forward with inputs on that device behave as under DDP. An in-place change of the shown copy
+is copied back before the unit's edits are taken.
 """
 
 from __future__ import annotations
@@ -89,6 +97,8 @@ class FlatUnit:
     # backward): the two take turns
     full_lock: threading.Lock = field(default_factory=threading.Lock)
     published_marks: Optional[torch.Tensor] = None  # offloaded unit: fingerprints of its published chunk (edit_marks)
+    shown: Optional[torch.device] = None  # where the user moved the sharded module, if not ``device`` (see the Note)
+    shown_full: Optional[torch.Tensor] = None  # the gathered values copied there while gathered
 
     def __repr__(self) -> str:
         # not the dataclass's: printing a tensor whose storage stage 3 gave back reads freed memory (a traceback
@@ -188,7 +198,9 @@ class FlatUnit:
 
     def restore_params(self) -> None:
         """Point the parameters at the unit's buffer (or placeholders) again after something replaced their
-        ``.data`` (Lightning's teardown moves the module to the CPU)."""
+        ``.data`` (Lightning's teardown moves the module to the CPU; a trainer's evaluation after fit moves it
+        back): the module is on the compute device again."""
+        self.shown, self.shown_full = None, None
         if self.state is UnitState.UNSHARDED:
             self.point_params_at_full()
         else:
@@ -196,16 +208,35 @@ class FlatUnit:
                 param.data = placeholder
 
     # ---- state transitions ------------------------------------------------------------------
-    def point_params_at_full(self) -> None:
-        for param, view in zip(self.params, self.views):
+    def moved_to(self) -> Optional[torch.device]:
+        """Sharded: the device the user moved the module to, when not the compute device (see [Note: a module
+        moved after fit]); None otherwise."""
+        if self.state is not UnitState.SHARDED or not self.params:
+            return None
+        where = self.params[0].device
+        return None if where == self.device else where
+
+    def point_params_at_full(self, shown: Optional[torch.device] = None) -> None:
+        """The parameters become views of ``full``, or of a copy of it on ``shown``."""
+        self.shown = shown
+        self.shown_full = None if shown is None else self.full.to(shown, copy=True)
+        for param, view in zip(self.params, self.views if shown is None else self.param_views(self.shown_full)):
             param.data = view
         self.state = UnitState.UNSHARDED
+
+    @torch.no_grad()
+    def pull_shown(self) -> None:
+        """Gathered and shown elsewhere: the shown copy (which user code may have changed in place) into ``full``."""
+        if self.shown_full is not None and self.state is UnitState.UNSHARDED:
+            self.full.copy_(self.shown_full)
 
     def release_full(self) -> None:
         """Stage 3: parameters become placeholders and ``full`` gives its memory back."""
         with self.full_lock:
+            shown = self.shown
             for param, placeholder in zip(self.params, self.placeholders):
-                param.data = placeholder
+                param.data = placeholder if shown is None else placeholder.to(shown)
+            self.shown_full = None
             self.free_storage()
             self.state = UnitState.SHARDED
         self.forget_edits()  # from here an in-place edit of a placeholder bumps its parameter's version

@@ -254,10 +254,11 @@ class Gatherer:
         self.slots[unit.index].holders += 1
         if unit.state is UnitState.UNSHARDED:
             return
+        shown = unit.moved_to()  # read before the gather: the placeholders tell where the user moved the module
         self._issue(unit)
         self._wait(unit)
         with torch.inference_mode(False):
-            unit.point_params_at_full()
+            unit.point_params_at_full(shown)
         self.slots[unit.index].versions = _versions(unit)
 
     def _release(self, unit: FlatUnit) -> None:
@@ -339,6 +340,7 @@ class Gatherer:
             if unit.state is UnitState.UNSHARDED and slot.versions is not None:
                 now = _versions(unit)
                 if now != slot.versions:
+                    unit.pull_shown()
                     self.on_forward_edit(unit)
                     slot.versions = now
 
