@@ -14,7 +14,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from .demo import DemoSettingError
     from .ds_config import DeepSpeedConfigError
     from .ds_schedules import UnsupportedScheduleError
-    from .engine.flat_unit import ShardedParameterEditError
+    from .engine.flat_unit import ReplacedParameterError, ShardedParameterEditError
     from .engine.guard import ShardedStateDictError
     from .engine.optim import UnsupportedOptimizerError
     from .engine.state import CheckpointMismatchError
@@ -24,4 +24,5 @@ def user_errors() -> tuple[type[BaseException], ...]:
 
     return (ZeroConfigError, DeepSpeedConfigError, UnsupportedScheduleError, CheckpointPathError,
             CheckpointMismatchError, NvmePathError, UnsupportedOptimizerError, LossScaleAtMinimumError,
-            MissingRanksError, ShardedStateDictError, HostMemoryError, DemoSettingError, ShardedParameterEditError)
+            MissingRanksError, ShardedStateDictError, HostMemoryError, DemoSettingError, ShardedParameterEditError,
+            ReplacedParameterError)

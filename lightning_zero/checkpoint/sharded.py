@@ -503,6 +503,8 @@ def load_optimizer(saved: SavedState, engine: ZeroEngine, optimizer: Any) -> Non
                 entry[key] = cpu_copy(value)
         if entry:
             optimizer.state[piece] = entry
+        else:  # as torch's load_state_dict: a parameter without saved state starts fresh (a checkpoint written
+            optimizer.state.pop(piece, None)  # before its first step, restored after steps: LearningRateFinder)
 
 
 def _load(targets: dict[str, Any], path: Path, comm: Optional[Comm] = None) -> None:

@@ -267,6 +267,8 @@ class ZeroEngine:
         which synchronized gradients (the first micro-batch of each accumulation window)."""
         if self.gatherer is not None:  # stage 3 gathers from the masters next: edits made since must be there
             self.absorb_edits(offloaded_too=False, marked=True)
+        else:
+            self.edit_watch.take_replaced(self._host_indices(), self._host_edits_reachable())
         if self.config.broadcast_buffers and self._sync_buffers_next:
             self.broadcast_buffers()
         self._sync_buffers_next = torch.is_grad_enabled() and self.last_micro_batch
@@ -559,6 +561,7 @@ class ZeroEngine:
         # stepping (with this rank's pieces in the groups) on its thread
         stepped = self._units_with_grads(optimizer)
         self.republish([u for u in stepped if u.index not in published], fresh=frozenset(early - published))
+        self._update_aliases([u for u in stepped if u.aliases])
         self.edit_watch.mark_published(self._host_indices(), self._host_edits_reachable())
         if self.free_grads_at_step:
             self._drop_grads(self.slots_of(optimizer))
@@ -668,6 +671,17 @@ class ZeroEngine:
         stale = [u for u in units if u.state is UnitState.UNSHARDED and not (self.comm.world_size == 1 and u.index in fresh)]
         with record_function("zero/republish"):
             self._all_gather_units(stale, fresh)
+
+    @torch.no_grad()
+    def _update_aliases(self, units: list[FlatUnit]) -> None:
+        """Tensors a user gave parameters (``p.data = t``) follow the new values, as under DDP, where ``t`` became the
+        parameter (see [Note: replaced parameter data]): the fp32 masters, gathered (a collective)."""
+        for unit in units:
+            full = torch.empty(unit.layout.padded_numel, dtype=torch.float32, device=self.device)
+            self.comm.all_gather(full, unit.master.detach().to(self.device), async_op=False)
+            views = unit.param_views(full)
+            for slot, alias in unit.aliases.items():
+                alias.copy_(views[slot])
 
     def _all_gather_units(self, stale: list[FlatUnit], fresh: frozenset[int] = frozenset()) -> None:
         handles = [self.comm.all_gather(u.full, u.own_chunk() if u.index in fresh else u.gather_source(), async_op=True)

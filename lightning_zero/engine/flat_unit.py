@@ -31,6 +31,17 @@ compute device (the shards live there) and the parameters are shown where the pl
 copy (``shown``); placeholders stay there after the release, so ``next(module.parameters()).device``
 and a forward with inputs on that device behave as under DDP. An in-place change of the shown copy
 is copied back before the unit's edits are taken.
+
+[Note: replaced parameter data]
+``p.data = tensor`` (Lightning's ModelPruning resets weights that way for the lottery ticket; user code
+loading values) makes the parameter hold another tensor, no longer a view of the unit's buffer: the forward
+would compute with it while the optimizer steps the master. Under DDP the parameter simply holds the new
+values from then on, so :meth:`FlatUnit.take_replaced` takes them as values: into this rank's part of the
+master (at full precision: an fp32 tensor given to a bf16 module keeps its fp32 bits there, as DDP's fp32
+parameter would) and into the buffer, and the parameter becomes a view (or a placeholder) again. The
+given tensor is kept (``aliases``): under DDP it *is* the parameter from then on, so whatever else holds it
+(ModelPruning's copy of the initial weights, which the next reset reads) sees every later step; the engine
+copies each step's new values into it.
 """
 
 from __future__ import annotations
@@ -46,13 +57,17 @@ from torch import nn
 
 from ..partition import Piece, UnitLayout
 
-__all__ = ["UnitState", "FlatUnit", "ShardedParameterEditError", "EDIT_CHUNK"]
+__all__ = ["UnitState", "FlatUnit", "ShardedParameterEditError", "ReplacedParameterError", "EDIT_CHUNK"]
 
 EDIT_CHUNK = 1 << 24  # elements compared at a time for edits of published values (bounds the temporaries)
 
 
 class ShardedParameterEditError(RuntimeError):
     """A stage-3 parameter was changed in place while it was only a placeholder (the change would be lost)."""
+
+
+class ReplacedParameterError(RuntimeError):
+    """A parameter was given data (``p.data = ...``) the engine cannot take (another shape; NVMe or delayed masters)."""
 
 
 class UnitState(enum.Enum):
@@ -99,6 +114,7 @@ class FlatUnit:
     published_marks: Optional[torch.Tensor] = None  # offloaded unit: fingerprints of its published chunk (edit_marks)
     shown: Optional[torch.device] = None  # where the user moved the sharded module, if not ``device`` (see the Note)
     shown_full: Optional[torch.Tensor] = None  # the gathered values copied there while gathered
+    aliases: dict[int, torch.Tensor] = field(default_factory=dict)  # slot -> tensor a user gave it (`p.data = t`)
 
     def __repr__(self) -> str:
         # not the dataclass's: printing a tensor whose storage stage 3 gave back reads freed memory (a traceback
@@ -295,6 +311,42 @@ class FlatUnit:
         each release; after GatheredParameters with a modifier rank, whose changes went into the master)."""
         if self.state is UnitState.SHARDED:
             self.released_versions = [param._version for param in self.params]
+
+    def replaced(self) -> list[int]:
+        """Slots whose parameter holds data that is not the unit's (see [Note: replaced parameter data])."""
+        if self.full is None or self.shown is not None:  # parked after fit, or shown elsewhere by a user's move
+            return []
+        if self.state is UnitState.UNSHARDED:
+            return [i for i, (p, v) in enumerate(zip(self.params, self.views))
+                    if p.data_ptr() != v.data_ptr() or p.shape != v.shape]
+        return [i for i, p in enumerate(self.params) if p.numel() != 0]  # a placeholder holds no element
+
+    @torch.no_grad()
+    def take_replaced(self, slots: list[int]) -> None:
+        """The values parameters were given by ``p.data = ...`` become the unit's (master and buffer); the
+        parameters are the unit's views (or placeholders) again."""
+        for i in slots:
+            param, shape = self.params[i], self.shapes[i]
+            if param.shape != shape:
+                raise ReplacedParameterError(
+                    f"Parameter {self.names[i]!r} was given data of shape {tuple(param.shape)} (`p.data = ...`), but it "
+                    f"has shape {tuple(shape)}: the engine keeps parameters in flat buffers laid out at setup. Change "
+                    f"shapes before the Trainer starts (in __init__ or configure_model).")
+            given = param.data
+            values = given.detach().reshape(-1)
+            self.aliases[i] = given  # shares the user's storage: later steps are copied into it (see the Note)
+            span = self.spans[i]
+            if span is not None:
+                self.master[span.shard_start:span.shard_start + span.length].copy_(
+                    values[span.param_start:span.param_start + span.length])
+            if self.state is UnitState.UNSHARDED:
+                self.views[i].copy_(values.view(shape))
+                param.data = self.views[i]
+            else:
+                param.data = self.placeholders[i]
+        if slots:
+            self.refresh_param_shard()
+            self.forget_edits()
 
     def check_placeholders(self) -> None:
         """A stage-3 parameter changed in place while it was an empty placeholder: the change would be lost."""

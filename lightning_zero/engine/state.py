@@ -260,7 +260,10 @@ def load_optimizer_state(engine: ZeroEngine, optimizer: Any, saved: dict[str, An
     for param_index, (unit, slot) in enumerate(slots):
         piece, where = unit.pieces[slot], unit.spans[slot]
         entry = saved["state"].get(index_of[param_index])
-        if piece is None or not entry:
+        if piece is None:
+            continue
+        if not entry:  # as torch's load_state_dict: a parameter without saved state starts fresh (a checkpoint
+            optimizer.state.pop(piece, None)  # written before its first step, restored after steps: LearningRateFinder)
             continue
         group = group_of[id(unit.params[slot])]
         out = {}
