@@ -95,3 +95,29 @@ def test_assigning_data_under_nvme_offload_is_one_clear_error(tmp_path):
         head.weight.data = torch.zeros(1, 32)
     with pytest.raises(ReplacedParameterError, match="NVMe or delayed_step"):
         _fit_assigning(tmp_path, assign, stage=2, offload_optimizer="nvme", nvme_path=str(tmp_path))
+
+
+@pytest.mark.parametrize("strategy", ["zero2", "zero3"])
+def test_data_assigned_after_fit_is_what_validate_and_the_next_fit_use(tmp_path, strategy):
+    import lightning.pytorch as pl
+    from builtin_callback_cases import Regressor, _strategy, data
+
+    class Validated(Regressor):
+        def validation_step(self, batch, batch_idx):
+            self.log("val_loss", (self(batch[0]) - batch[1]).pow(2).mean())
+
+    out = {}
+    for name in ("ddp", strategy):
+        pl.seed_everything(0, verbose=False)
+        module = Validated()
+        kwargs = dict(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
+        trainer = pl.Trainer(max_epochs=1, strategy=_strategy(name), **kwargs)
+        trainer.fit(module, data())
+        module.head.weight.data = torch.full((1, 32), 0.25)
+        val = trainer.validate(module, data(), verbose=False)[0]["val_loss"]
+        again = pl.Trainer(max_epochs=1, strategy=_strategy(name), **kwargs)
+        again.fit(module, data())
+        out[name] = (val, module.losses)
+    assert out[strategy][0] == pytest.approx(out["ddp"][0], rel=1e-6)
+    assert out[strategy][1] == pytest.approx(out["ddp"][1], rel=1e-5)

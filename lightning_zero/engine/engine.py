@@ -738,7 +738,9 @@ class ZeroEngine:
 
     def restore_param_views(self) -> None:
         """Point parameters at the engine's buffers again after something replaced their ``.data``
-        (Lightning's teardown moves the module to the CPU; evaluation after fit moves it back)."""
+        (Lightning's teardown moves the module to the CPU; evaluation after fit moves it back). Data a user gave
+        parameters after fit (``p.data = t``) is taken first, as DDP's module would evaluate with it."""
+        self.edit_watch.take_replaced(self._host_indices(), self._host_edits_reachable())
         for unit in self.units:
             unit.restore_params()
 

@@ -314,12 +314,15 @@ class FlatUnit:
 
     def replaced(self) -> list[int]:
         """Slots whose parameter holds data that is not the unit's (see [Note: replaced parameter data])."""
-        if self.full is None or self.shown is not None:  # parked after fit, or shown elsewhere by a user's move
+        if self.full is None:  # parked after fit
             return []
         if self.state is UnitState.UNSHARDED:
-            return [i for i, (p, v) in enumerate(zip(self.params, self.views))
+            return [i for i, (p, v) in enumerate(zip(self.params, self._shown_views()))
                     if p.data_ptr() != v.data_ptr() or p.shape != v.shape]
         return [i for i, p in enumerate(self.params) if p.numel() != 0]  # a placeholder holds no element
+
+    def _shown_views(self) -> list[torch.Tensor]:
+        return self.views if self.shown_full is None else self.param_views(self.shown_full)
 
     @torch.no_grad()
     def take_replaced(self, slots: list[int]) -> None:
@@ -341,9 +344,12 @@ class FlatUnit:
                     values[span.param_start:span.param_start + span.length])
             if self.state is UnitState.UNSHARDED:
                 self.views[i].copy_(values.view(shape))
-                param.data = self.views[i]
+                shown = self._shown_views()[i]
+                if shown is not self.views[i]:
+                    shown.copy_(values.view(shape))
+                param.data = shown
             else:
-                param.data = self.placeholders[i]
+                param.data = self.placeholders[i] if self.shown is None else self.placeholders[i].to(self.shown)
         if slots:
             self.refresh_param_shard()
             self.forget_edits()
