@@ -7,7 +7,7 @@ so ``Trainer(strategy="zero3")`` works after it.
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-from . import accelerator, checkpointing, comm, utils, zero
+from . import accelerator, checkpointing, comm, ops, utils, zero
 from .api import ZeroModelEngine, add_config_arguments, init_distributed, initialize
 from .config import ZeroConfig, ZeroConfigError
 from .engine import UnsupportedOptimizerError, ZeroEngine
@@ -15,7 +15,9 @@ from .precision import DynamicLossScaler, LossScaleAtMinimumError
 from .precision.plugin import ZeroPrecision
 from .strategy import ZeroStrategy
 
-__all__ = ["initialize", "init_distributed", "add_config_arguments", "zero", "utils", "comm", "accelerator", "checkpointing", "ZeroModelEngine", "ZeroConfig", "ZeroConfigError", "ZeroEngine", "ZeroPrecision", "ZeroStrategy", "DynamicLossScaler",
+DeepSpeedEngine = ZeroModelEngine  # scripts that check isinstance(engine, deepspeed.DeepSpeedEngine)
+
+__all__ = ["initialize", "init_distributed", "add_config_arguments", "zero", "utils", "ops", "DeepSpeedEngine", "comm", "accelerator", "checkpointing", "ZeroModelEngine", "ZeroConfig", "ZeroConfigError", "ZeroEngine", "ZeroPrecision", "ZeroStrategy", "DynamicLossScaler",
            "LossScaleAtMinimumError", "UnsupportedOptimizerError"]
 __version__ = "0.1.0"
 

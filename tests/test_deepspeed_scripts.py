@@ -111,3 +111,50 @@ def test_gpt2_script_under_zero_init(tmp_path):
     loss = float(out.stdout.split("epoch 0 step 0 loss ")[1].split()[0])
     assert abs(loss - torch.log(torch.tensor(256.0)).item()) < 0.1  # HF's own initialization: near-uniform output
     assert "epoch 0 eval loss" in out.stdout
+
+
+@pytest.mark.parametrize("name,kwargs,plain", [
+    ("FusedAdam", dict(lr=1e-2, weight_decay=0.1), lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1)),
+    ("FusedAdam", dict(lr=1e-2, weight_decay=0.1, adam_w_mode=False), lambda p: torch.optim.Adam(p, lr=1e-2, weight_decay=0.1)),
+    ("DeepSpeedCPUAdam", dict(lr=1e-2, weight_decay=0.1, betas=(0.8, 0.9)),
+     lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1, betas=(0.8, 0.9))),
+    ("DeepSpeedCPUAdam", dict(lr=1e-2, weight_decay=0.1, adamw_mode=False), lambda p: torch.optim.Adam(p, lr=1e-2, weight_decay=0.1)),
+])
+@pytest.mark.parametrize("offload", [False, True], ids=["gpu_side", "cpu_offload"])
+def test_deepspeed_adam_names_step_as_torchs(name, kwargs, plain, offload):
+    """``deepspeed.ops.adam.FusedAdam`` / ``DeepSpeedCPUAdam`` in a script: the engine steps them as torch's Adam(W)
+    with the same arguments (AdamW by default, Adam with L2 decay when the script turns the W off)."""
+    import lightning_zero as deepspeed
+
+    def model():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+
+    reference = model()
+    ref_opt = plain(reference.parameters())
+    ours = model()
+    optimizer = getattr(deepspeed.ops.adam, name)(ours.parameters(), **kwargs)
+    config = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 2}}
+    if offload:
+        config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    engine, _, _, _ = deepspeed.initialize(model=ours, optimizer=optimizer, config=config)
+    assert isinstance(engine, deepspeed.DeepSpeedEngine)
+    data = torch.randn(5, 4, 8, generator=torch.Generator().manual_seed(1))
+    for x in data:
+        loss = reference(x).pow(2).mean()
+        ref_opt.zero_grad()
+        loss.backward()
+        ref_opt.step()
+        engine.backward(engine(x).pow(2).mean())
+        engine.step()
+    for (n, p), q in zip(engine.module.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-6, msg=n)
+
+
+def test_deepspeed_adam_without_bias_correction_is_refused():
+    import lightning_zero as deepspeed
+    from lightning_zero import UnsupportedOptimizerError
+
+    with pytest.raises(UnsupportedOptimizerError, match="bias_correction=False"):
+        deepspeed.ops.adam.FusedAdam(torch.nn.Linear(2, 2).parameters(), bias_correction=False)
+    assert deepspeed.utils.logger.name == "lightning_zero"

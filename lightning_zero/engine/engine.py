@@ -98,6 +98,9 @@ class ZeroEngine:
         self._build_units(init_rng)
         self._prepare_buffers()
         self._slot = {id(p): (u, i) for u in self.units for i, p in enumerate(u.params)}
+        # an offloaded step running during backward lists the pieces in the groups meanwhile (pieces_in_groups): a
+        # reader of the groups then (the DeepSpeed-style engine's gradient norm) finds the slots through them
+        self._piece_slot = {id(q): (u, i) for u in self.units for i, q in enumerate(u.pieces) if q is not None}
         self.offloader = (Offloader(self.units, config, self.device, compute_dtype, comm.rank, self.piece_of,
                                     self.unit_of) if config.offloads else None)
         self._grad_slots: list[set[int]] = [set() for _ in self.units]  # slots whose parameter holds a gradient
@@ -430,7 +433,7 @@ class ZeroEngine:
         out = []
         for g, group in enumerate(unwrap(optimizer).param_groups):
             for p in group["params"]:
-                found = self._slot.get(id(p))
+                found = self._slot.get(id(p)) or self._piece_slot.get(id(p))
                 if found is None:
                     raise ValueError(
                         f"{type(unwrap(optimizer)).__name__} param group {g} holds a tensor of shape "
