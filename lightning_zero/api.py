@@ -22,7 +22,7 @@ from __future__ import annotations
 import argparse
 import os
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -73,10 +73,8 @@ def init_distributed(dist_backend: Optional[str] = None, auto_mpi_discovery: boo
     # LIGHTNING_ZERO_BACKEND=gloo: several ranks on one GPU (NCCL refuses that), as in the GPU tests
     backend = dist_backend or os.environ.get("LIGHTNING_ZERO_BACKEND") or ("nccl" if torch.cuda.is_available() else "gloo")
     env = os.environ
-    if "WORLD_SIZE" not in env and "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
-        env.setdefault("RANK", env["SLURM_PROCID"])
-        env.setdefault("WORLD_SIZE", env["SLURM_NTASKS"])
-        env.setdefault("LOCAL_RANK", env.get("SLURM_LOCALID", "0"))
+    for key, value in slurm_launch_env(env).items():
+        env.setdefault(key, value)
     if rank >= 0 and world_size > 0:
         env.setdefault("RANK", str(rank))
         env.setdefault("WORLD_SIZE", str(world_size))
@@ -88,6 +86,34 @@ def init_distributed(dist_backend: Optional[str] = None, auto_mpi_discovery: boo
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     process_group.exit_hook.arm()  # see [Note: destroy the group at exit]
+
+
+def slurm_launch_env(env: Mapping[str, str]) -> dict[str, str]:
+    """torchrun's variables from SLURM's, for a script started by ``srun`` on each task (no torchrun): the rank, the
+    world, the local rank and the node's task count (host memory and cores are shared by the node's ranks), and
+    the first node of the job as the rendezvous address (the default 127.0.0.1 would leave other nodes waiting)."""
+    if "WORLD_SIZE" in env or "SLURM_PROCID" not in env or "SLURM_NTASKS" not in env:
+        return {}
+    out = {"RANK": env["SLURM_PROCID"], "WORLD_SIZE": env["SLURM_NTASKS"], "LOCAL_RANK": env.get("SLURM_LOCALID", "0")}
+    per_node = _tasks_per_node(env.get("SLURM_TASKS_PER_NODE", ""))
+    node = int(env.get("SLURM_NODEID", "0"))
+    if node < len(per_node):
+        out["LOCAL_WORLD_SIZE"] = str(per_node[node])
+    nodes = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+    if nodes:
+        from lightning.fabric.plugins.environments import SLURMEnvironment
+
+        out["MASTER_ADDR"] = SLURMEnvironment.resolve_root_node_address(nodes)
+    return out
+
+
+def _tasks_per_node(spec: str) -> list[int]:
+    """SLURM's ``SLURM_TASKS_PER_NODE``: "2(x3),1" is 2, 2, 2, 1."""
+    counts: list[int] = []
+    for part in filter(None, spec.split(",")):
+        count, _, repeat = part.partition("(x")
+        counts += [int(count)] * (int(repeat.rstrip(")")) if repeat else 1)
+    return counts
 
 
 def _config_source(args: Any, config: Any, config_params: Any) -> Any:

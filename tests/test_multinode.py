@@ -103,3 +103,17 @@ def test_two_nodes_match_ddp(jobs, strategy):
             assert_parity(run, ref)  # the final state and rank 0's losses
         else:
             assert loss_err(run["losses"], ref["losses"]) <= 1e-5
+
+
+def test_srun_tasks_get_torchruns_variables_with_the_first_node_as_rendezvous():
+    """A DeepSpeed-style script started by ``srun`` on every task (no torchrun): init_distributed reads SLURM's
+    variables; the rendezvous is the job's first node (127.0.0.1 would leave the other nodes waiting) and the node's
+    task count is its local world (host memory and cores are split by it)."""
+    from lightning_zero.api import slurm_launch_env
+
+    env = {"SLURM_PROCID": "5", "SLURM_NTASKS": "7", "SLURM_LOCALID": "1", "SLURM_NODEID": "2",
+           "SLURM_TASKS_PER_NODE": "2(x3),1", "SLURM_JOB_NODELIST": "gpu[012-015]"}
+    assert slurm_launch_env(env) == {"RANK": "5", "WORLD_SIZE": "7", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+                                     "MASTER_ADDR": "gpu012"}
+    assert slurm_launch_env({**env, "SLURM_NODEID": "3"})["LOCAL_WORLD_SIZE"] == "1"
+    assert slurm_launch_env({**env, "WORLD_SIZE": "7"}) == {}  # torchrun under srun: its own variables stand
