@@ -35,6 +35,7 @@ from .engine import ZeroEngine
 from .engine.materialize import RngState, has_meta, meta_parameters, move_all_but_flattened
 from .engine.memory import MemoryReport, memory_report
 from .engine.state import full_model_state, full_optimizer_state
+from .lightning_grad_norm import install as install_grad_norm
 from .precision.buffers import match_compute_dtype
 from .precision.plugin import ZeroPrecision, to_zero_precision
 from .presets import PRESETS
@@ -284,12 +285,13 @@ class ZeroStrategy(ParallelStrategy):
                 "ZeroConfig.delayed_step=True needs the gradients cleared at every step (automatic optimization with "
                 "Lightning's own optimizer_zero_grad): the next window's gradients would otherwise add into the ones "
                 "the delayed update is still reading. Use the stock optimizer_zero_grad or set delayed_step=False.")
+        install_grad_norm()  # Lightning's grad_norm(module, 2) reads the engine's gradients from here on
         readers = lightning_loop.gradient_readers(trainer, self.lightning_module) if fitting else []
         if readers:
             rank_zero_warn(f"lightning_zero: {', '.join(readers)} run with each parameter's .grad None: the gradients "
-                           f"live in the engine's shards. Log norms with self.trainer.strategy.grad_norm(2) (Lightning's "
-                           f"grad_norm over every rank), read one with lightning_zero.utils.safe_get_full_grad(p) (on "
-                           f"every rank), clip with self.clip_gradients(optimizer, ...) or torch.nn.utils.clip_grad_norm_ on every rank.")
+                           f"live in the engine's shards. Lightning's grad_norm(module, 2) reads them (on every rank), "
+                           f"lightning_zero.utils.safe_get_full_grad(p) reads one (on every rank), clip with "
+                           f"self.clip_gradients(optimizer, ...) or torch.nn.utils.clip_grad_norm_ on every rank.")
         if fitting and self._sharded_checkpoints and not lightning_io.module_state_is_local(engine, True):
             hooks = lightning_loop.checkpoint_readers(trainer, self.lightning_module, users_only=True)
             if hooks:

@@ -1,5 +1,6 @@
 """Gradient norms in ``on_before_optimizer_step`` (tests/test_grad_norm.py): DDP's ``grad_norm(module, p)`` against
-``trainer.strategy.grad_norm(p)`` under the engine, whose parameters hold no ``.grad`` there."""
+``trainer.strategy.grad_norm(p)`` and Lightning's own ``grad_norm`` (imported above, before any engine existed) of
+the module and of a submodule under the engine, whose parameters hold no ``.grad`` there."""
 
 from __future__ import annotations
 
@@ -15,9 +16,9 @@ import lightning_zero
 
 
 class Logged(pl.LightningModule):
-    def __init__(self, norm_type: float) -> None:
+    def __init__(self, norm_type: float, via: str = "strategy") -> None:
         super().__init__()
-        self.norm_type = norm_type
+        self.norm_type, self.via = norm_type, via
         self.body = nn.Sequential(nn.Linear(6, 40), nn.Tanh(), nn.Linear(40, 40), nn.Tanh())
         self.head = nn.Linear(40, 1)
         self.unused = nn.Linear(3, 3)  # never gets a gradient: no entry, as under DDP
@@ -27,19 +28,20 @@ class Logged(pl.LightningModule):
         return self.head(self.body(batch[0])).pow(2).mean()
 
     def on_before_optimizer_step(self, optimizer):
-        if isinstance(self.trainer.strategy, lightning_zero.ZeroStrategy):
+        if isinstance(self.trainer.strategy, lightning_zero.ZeroStrategy) and self.via == "strategy":
             norms = self.trainer.strategy.grad_norm(self.norm_type)
         else:
             norms = grad_norm(self, self.norm_type)
-        self.seen.append({k: float(v) for k, v in norms.items()})
+        body = {f"body:{k}": v for k, v in grad_norm(self.body, self.norm_type, group_separator=":").items()}
+        self.seen.append({k: float(v) for k, v in {**norms, **body}.items()})
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=0.01)
 
 
-def fit(rank: int, world: int, strategy: str, norm_type: float) -> dict:
+def fit(rank: int, world: int, strategy: str, norm_type: float, via: str = "strategy") -> dict:
     torch.manual_seed(0)
-    model = Logged(norm_type)
+    model = Logged(norm_type, via)
     options = {"zero1": dict(stage=1), "zero2": dict(stage=2, reduce_bucket_size=500),
                "zero3": dict(stage=3, min_group_params=500, param_persistence_threshold=0),
                "zero2_offload": dict(stage=2, offload_optimizer="cpu", reduce_bucket_size=500)}
@@ -51,7 +53,7 @@ def fit(rank: int, world: int, strategy: str, norm_type: float) -> dict:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.fit(model, data)
-    return {"seen": model.seen, "warned": any("grad_norm(2)" in str(w.message) for w in caught)}
+    return {"seen": model.seen, "warned": any("grad_norm(module, 2)" in str(w.message) for w in caught)}
 
 
 class TorchClipped(pl.LightningModule):

@@ -12,9 +12,11 @@ from grad_norm_cases import fit, fit_torch_clipped
 
 @pytest.mark.parametrize("strategy", ["zero1", "zero2", "zero3", "zero2_offload"])
 @pytest.mark.parametrize("norm_type", [2.0, math.inf])
-def test_grad_norm_in_on_before_optimizer_step_equals_ddps(strategy, norm_type):
+@pytest.mark.parametrize("via", ["strategy", "lightning"])
+def test_grad_norm_in_on_before_optimizer_step_equals_ddps(strategy, norm_type, via):
+    # via="lightning": the user's own `grad_norm(self, p)` and `grad_norm(self.body, p)`, imported before any engine
     reference = run_ranks(fit, 2, "ddp", norm_type, lightning=True)
-    mine = run_ranks(fit, 2, strategy, norm_type, lightning=True)
+    mine = run_ranks(fit, 2, strategy, norm_type, via, lightning=True)
     assert mine[0]["warned"]  # the hook is overridden: the setup says where the gradients are (rank 0 speaks)
     for ref, got in zip(reference, mine):
         assert len(got["seen"]) == len(ref["seen"]) == 3
