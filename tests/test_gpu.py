@@ -297,12 +297,23 @@ def test_weight_clipping_reaches_the_masters_on_the_gpu(stage, offload):
     assert max(v.abs().max().item() for v in trainer.strategy.full_state_dict().values()) <= bound
 
 
+def _fit_three_steps(module, width: int, **trainer_options):
+    """Three steps of batch 8 on the GPU over fixed random inputs of ``width`` features; returns the trainer."""
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader, TensorDataset
+
+    trainer = pl.Trainer(accelerator="gpu", devices=1, max_steps=3, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, **trainer_options)
+    inputs = torch.randn(24, width, generator=torch.Generator().manual_seed(1))
+    trainer.fit(module, DataLoader(TensorDataset(inputs), batch_size=8))
+    return trainer
+
+
 @pytest.mark.parametrize("stage", [2, 3])
 def test_sync_batchnorm_converts_the_layers_and_trains_as_ddp(stage):
     """Trainer(sync_batchnorm=True) converts BatchNorm to SyncBatchNorm, as DDPStrategy's setup (it was ignored)."""
     import lightning.pytorch as pl
     from torch import nn
-    from torch.utils.data import DataLoader, TensorDataset
 
     from lightning_zero import ZeroStrategy
 
@@ -323,10 +334,7 @@ def test_sync_batchnorm_converts_the_layers_and_trains_as_ddp(stage):
     for name, strategy in (("ddp", "ddp"), ("zero", ZeroStrategy(stage=stage))):
         pl.seed_everything(0, verbose=False)
         module = Net()
-        trainer = pl.Trainer(accelerator="gpu", devices=1, strategy=strategy, sync_batchnorm=True, max_steps=3,
-                             logger=False, enable_checkpointing=False, enable_progress_bar=False)
-        trainer.fit(module, DataLoader(TensorDataset(torch.randn(24, 4, generator=torch.Generator().manual_seed(1))),
-                                       batch_size=8))
+        trainer = _fit_three_steps(module, 4, strategy=strategy, sync_batchnorm=True)
         state = trainer.strategy.full_state_dict() if name == "zero" else module.state_dict()
         out[name] = (module.types, {k: v.detach().float().cpu() for k, v in state.items()})
     assert "SyncBatchNorm" in out["zero"][0] and "BatchNorm1d" not in out["zero"][0]
@@ -341,7 +349,6 @@ def test_module_after_a_stage3_fit_runs_on_the_cpu_as_ddps(precision):
     inputs met GPU parameters), a user's `module.cuda()` brings them back, and GatheredParameters follows too."""
     import lightning.pytorch as pl
     from torch import nn
-    from torch.utils.data import DataLoader, TensorDataset
 
     from lightning_zero import ZeroStrategy
     from lightning_zero.zero import GatheredParameters
@@ -367,10 +374,7 @@ def test_module_after_a_stage3_fit_runs_on_the_cpu_as_ddps(precision):
                                                                   param_persistence_threshold=0))):
         pl.seed_everything(0, verbose=False)
         module = Net()
-        trainer = pl.Trainer(accelerator="gpu", devices=1, strategy=strategy, precision=precision, max_steps=3,
-                             logger=False, enable_checkpointing=False, enable_progress_bar=False)
-        trainer.fit(module, DataLoader(TensorDataset(torch.randn(24, 64, generator=torch.Generator().manual_seed(1))),
-                                       batch_size=8))
+        trainer = _fit_three_steps(module, 64, strategy=strategy, precision=precision)
         assert {p.device.type for p in module.parameters()} == {"cpu"}, name
         with torch.no_grad():
             on_cpu = module(x)
