@@ -9,6 +9,9 @@ strategy on N gloo ranks (tests/test_builtin_callbacks.py compares them with DDP
   reads the trained values.
 - ``accumulation``: ``GradientAccumulationScheduler`` changes the accumulation between epochs.
 - ``replace``: a user callback that assigns new data to a parameter (``p.data = t``) and keeps ``t``.
+- ``epoch_ends_mid_window``: ``on_train_batch_start`` returning -1 ends the first epoch inside an accumulation
+  window; the next window's ``zero_grad`` drops that partial gradient, wherever it is held (with offload, a device
+  accumulator).
 """
 
 from __future__ import annotations
@@ -45,6 +48,13 @@ class Regressor(pl.LightningModule):
         return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, 4, 0.5)}
 
 
+class EndsEpochMidWindow(Regressor):
+    def on_train_batch_start(self, batch, batch_idx):
+        if self.current_epoch == 0 and batch_idx == 4:
+            return -1
+        return None
+
+
 def data() -> DataLoader:
     x = torch.randn(64, 16, generator=torch.Generator().manual_seed(1))
     return DataLoader(TensorDataset(x, x.sum(1, keepdim=True).sin()), batch_size=4)
@@ -78,15 +88,16 @@ def _strategy(name: str):
 
 def callback_case(rank: int, world: int, strategy: str, case: str, root: str) -> dict:
     pl.seed_everything(0, verbose=False)
-    module = Regressor()
+    module = EndsEpochMidWindow() if case == "epoch_ends_mid_window" else Regressor()
     replace = ReplaceHeadData()
     callbacks = {"lr_finder": [LearningRateFinder(num_training_steps=8, min_lr=1e-4, max_lr=1e-1)],
                  "pruning": [ModelPruning("l1_unstructured", amount=0.3)],
                  "accumulation": [GradientAccumulationScheduler({0: 1, 1: 3, 2: 2})],
-                 "replace": [replace]}[case]
+                 "replace": [replace], "epoch_ends_mid_window": []}[case]
     trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=_strategy(strategy), max_epochs=3, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         num_sanity_val_steps=0, callbacks=callbacks, default_root_dir=root)
+                         num_sanity_val_steps=0, callbacks=callbacks, default_root_dir=root,
+                         accumulate_grad_batches=3 if case == "epoch_ends_mid_window" else 1)
     trainer.fit(module, data())
     out = {"losses": module.losses, "state": trained_state(trainer, module), "steps": trainer.global_step,
            "lr": trainer.optimizers[0].param_groups[0]["lr"]}

@@ -1,5 +1,5 @@
-"""Lightning's callbacks that restore a checkpoint, prune, reset weights by assignment or change the accumulation
-train as under DDP (see tests/builtin_callback_cases.py)."""
+"""Lightning's callbacks that restore a checkpoint, prune, reset weights by assignment or change the accumulation, and
+an epoch that ends inside an accumulation window, train as under DDP (see tests/builtin_callback_cases.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from dist_utils import run_ranks
 from parity import assert_parity
 
 STRATEGIES = ("zero1", "zero2", "zero3", "zero2_offload", "zero3_offload")
-CASES = ("lr_finder", "pruning", "accumulation", "replace")
+CASES = ("lr_finder", "pruning", "accumulation", "replace", "epoch_ends_mid_window")
 
 
 @pytest.fixture(scope="module")

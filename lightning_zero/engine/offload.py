@@ -262,6 +262,10 @@ class Offloader:
     @torch.no_grad()
     def finish_window(self) -> None:
         """Every gradient copy has landed and every host gradient holds true (unscaled) values."""
+        # a window closed before its last micro-batch (an epoch that ended mid-window, a norm read in a hook): what the
+        # device accumulators hold is part of the gradient from here on (the owner's zero_grad drops it, as DDP's)
+        for k in list(self._accum):
+            self._land(self.units[self._position[k]], self._accum.pop(k), 1.0)
         if self.speculating:  # the norm and the vote read the gradients the worker unscales, and the optimizer's
             self.overlap.wait()  # groups, which hold pieces while the worker steps
         self.wait_copies()
