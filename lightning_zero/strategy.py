@@ -87,6 +87,7 @@ class ZeroStrategy(ParallelStrategy):
         self._auto = AutoPlacement(self)  # zero_auto's plan, measured first step and re-plan
         self._predict_repeats: Optional[lightning_loop.RepeatLastBatch] = None  # stage 3, uneven predict batches
         self._dumping = False  # inside the trainer's building of a checkpoint dict (see lightning_module_state_dict)
+        self._engine_steps = False  # the engine was built for a fit: it steps the strategy's optimizers
 
     # ---- what Lightning asks of a parallel strategy ---------------------------------------
     @property
@@ -121,7 +122,8 @@ class ZeroStrategy(ParallelStrategy):
     @optimizers.setter
     def optimizers(self, optimizers: list[Any]) -> None:
         ParallelStrategy.optimizers.fset(self, optimizers)  # Lightning builds new wrappers here
-        if getattr(self, "engine", None) is not None:
+        if getattr(self, "engine", None) is not None and self._engine_steps:
+            self.engine.adopt_optimizers(optimizers)  # a callback may set new ones during fit
             self.engine.route_wrappers(lightning_compat.lightning_optimizers(self))
 
     @property
@@ -268,6 +270,7 @@ class ZeroStrategy(ParallelStrategy):
 
     def _build_engine(self, trainer: Any, fitting: bool) -> None:
         optimizers = list(self.optimizers) if fitting else []
+        self._engine_steps = fitting
         if self.config.offloads and fitting:
             self._check_host_memory(trainer)
         self._host_recheck = bool(self.config.offloads and fitting)

@@ -9,6 +9,8 @@ strategy on N gloo ranks (tests/test_builtin_callbacks.py compares them with DDP
   reads the trained values.
 - ``accumulation``: ``GradientAccumulationScheduler`` changes the accumulation between epochs.
 - ``replace``: a user callback that assigns new data to a parameter (``p.data = t``) and keeps ``t``.
+- ``switch_optimizer``: a callback switches AdamW for SGD with momentum at the second epoch
+  (``trainer.strategy.setup_optimizers(trainer)`` after changing what ``configure_optimizers`` returns).
 - ``epoch_ends_mid_window``: ``on_train_batch_start`` returning -1 ends the first epoch inside an accumulation
   window; the next window's ``zero_grad`` drops that partial gradient, wherever it is held (with offload, a device
   accumulator).
@@ -44,6 +46,8 @@ class Regressor(pl.LightningModule):
         return loss
 
     def configure_optimizers(self):
+        if getattr(self, "use_sgd", False):
+            return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
         opt = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=0.01)
         return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, 4, 0.5)}
 
@@ -77,6 +81,13 @@ class ReplaceHeadData(Callback):
         self.given.append(weight.data)
 
 
+class SwitchToSGD(Callback):
+    def on_train_epoch_start(self, trainer, pl_module):
+        if trainer.current_epoch == 1:
+            pl_module.use_sgd = True
+            trainer.strategy.setup_optimizers(trainer)
+
+
 def _strategy(name: str):
     if name == "ddp":
         return "ddp"
@@ -93,14 +104,15 @@ def callback_case(rank: int, world: int, strategy: str, case: str, root: str) ->
     callbacks = {"lr_finder": [LearningRateFinder(num_training_steps=8, min_lr=1e-4, max_lr=1e-1)],
                  "pruning": [ModelPruning("l1_unstructured", amount=0.3)],
                  "accumulation": [GradientAccumulationScheduler({0: 1, 1: 3, 2: 2})],
-                 "replace": [replace], "epoch_ends_mid_window": []}[case]
+                 "replace": [replace], "epoch_ends_mid_window": [],
+                 "switch_optimizer": [SwitchToSGD()]}[case]
     trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=_strategy(strategy), max_epochs=3, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          num_sanity_val_steps=0, callbacks=callbacks, default_root_dir=root,
                          accumulate_grad_batches=3 if case == "epoch_ends_mid_window" else 1)
     trainer.fit(module, data())
     out = {"losses": module.losses, "state": trained_state(trainer, module), "steps": trainer.global_step,
-           "lr": trainer.optimizers[0].param_groups[0]["lr"]}
+           "lr": trainer.optimizers[0].param_groups[0]["lr"], "optimizer": type(trainer.optimizers[0]).__name__}
     if case == "replace":
         out["given"] = [t.detach().float().clone() for t in replace.given]
     return out

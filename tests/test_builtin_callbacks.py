@@ -1,5 +1,6 @@
-"""Lightning's callbacks that restore a checkpoint, prune, reset weights by assignment or change the accumulation, and
-an epoch that ends inside an accumulation window, train as under DDP (see tests/builtin_callback_cases.py)."""
+"""Lightning's callbacks that restore a checkpoint, prune, reset weights by assignment, switch the optimizer or change
+the accumulation, and an epoch that ends inside an accumulation window, train as under DDP (see
+tests/builtin_callback_cases.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from dist_utils import run_ranks
 from parity import assert_parity
 
 STRATEGIES = ("zero1", "zero2", "zero3", "zero2_offload", "zero3_offload")
-CASES = ("lr_finder", "pruning", "accumulation", "replace", "epoch_ends_mid_window")
+CASES = ("lr_finder", "pruning", "accumulation", "replace", "epoch_ends_mid_window", "switch_optimizer")
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +27,7 @@ def test_callback_trains_as_under_ddp(results, strategy, case):
     for rank in results:
         ref, run = rank[("ddp", case)], rank[(strategy, case)]
         assert run["steps"] == ref["steps"] > 0
-        assert run["lr"] == pytest.approx(ref["lr"], rel=1e-6)
+        assert run["lr"] == pytest.approx(ref["lr"], rel=1e-6) and run["optimizer"] == ref["optimizer"]
         assert_parity(run, ref)
         if case == "replace":  # the tensors given by assignment followed the later steps, as DDP's parameter did
             assert len(run["given"]) == len(ref["given"]) == 3

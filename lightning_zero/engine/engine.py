@@ -692,6 +692,29 @@ class ZeroEngine:
         for handle in handles:
             handle.wait()
 
+    def adopt_optimizers(self, optimizers: Sequence[Any]) -> list[torch.optim.Optimizer]:
+        """The run's optimizers were set again during fit (a callback's ``trainer.strategy.setup_optimizers``,
+        switching AdamW for SGD): new ones are checked and routed (their state starts empty, as a new optimizer's
+        under DDP; one set back keeps the state it made here), ones no longer listed get their own methods back.
+        With offload the host then steps after backward (the overlap was set up for the old optimizer). Returns
+        the new ones."""
+        current = [unwrap(o) for o in optimizers]
+        ids = {id(o) for o in current}
+        new = [o for o in current if id(o) not in {id(k) for k in self.optimizers}]
+        gone = [o for o in self.optimizers if id(o) not in ids]
+        for k, optimizer in enumerate(current):
+            if optimizer in new:
+                check_optimizer(optimizer, self.config.allow_untested_optimizer)
+                self._check_params(k, optimizer)
+        for optimizer in gone:
+            self.routes.release_optimizer(optimizer)
+        for optimizer in new:
+            self.routes.adopt(optimizer, self.optimizer_step, self.zero_grad, pieces=self._piece_slot)
+        self.optimizers = current
+        if new and self.offloader is not None:
+            self.say(self.overlap_step(None, "optimizers set again during fit"))
+        return new
+
     def route_wrappers(self, wrappers: Iterable[Any]) -> None:
         """Route new wrappers of the optimizers (Lightning re-wraps whenever its optimizer list is set)."""
         for wrapper in wrappers:

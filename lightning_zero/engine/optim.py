@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import inspect
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Container, Iterator
 from contextlib import contextmanager
 from typing import Any, Optional
 
@@ -85,19 +85,25 @@ class Routes:
         self.inner: dict[int, Callable] = {}  # id(optimizer) -> its own step
         self._targets: list[Any] = []  # objects whose methods were replaced
 
-    def adopt(self, optimizer: torch.optim.Optimizer, step: Callable, zero_grad: Callable) -> None:
+    def adopt(self, optimizer: torch.optim.Optimizer, step: Callable, zero_grad: Callable,
+              pieces: Optional[Container[int]] = None) -> None:
         """Route ``optimizer``'s methods through the engine.
 
         Args:
             optimizer: the user's optimizer, still holding the module's parameters.
             step: ``step(optimizer, closure, **kwargs)``: the engine's step.
             zero_grad: ``zero_grad(optimizer, set_to_none)``: clears the optimizer's gradients.
+            pieces: ids of the engine's pieces: state kept by them is this engine's own (an optimizer set back
+                during fit after another replaced it), not state of the unsharded parameters.
         """
-        if any(len(s) for s in optimizer.state.values()) and not _never_stepped(optimizer):
+        if pieces is not None and optimizer.state and all(id(p) in pieces for p in optimizer.state):
+            pass  # stepped by this engine before: its state stays
+        elif any(len(s) for s in optimizer.state.values()) and not _never_stepped(optimizer):
             raise RuntimeError(
                 "The optimizer already holds state before lightning_zero sharded it. Create it in "
                 "configure_optimizers without stepping it, or restore its state from a checkpoint after setup.")
-        optimizer.state.clear()  # what a constructor made (Adagrad's sums): each piece's state starts fresh alike
+        else:
+            optimizer.state.clear()  # what a constructor made (Adagrad's sums): each piece's state starts fresh alike
         original_zero_grad = optimizer.zero_grad
         inner_step = optimizer.step
         self.inner[id(optimizer)] = inner_step
@@ -116,6 +122,21 @@ class Routes:
         optimizer.state_dict = types.MethodType(_no_state_dict, optimizer)
         optimizer.load_state_dict = types.MethodType(_no_state_dict, optimizer)
         self._targets.append(optimizer)
+
+    def release_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Give one optimizer (and its wrappers) its own methods back: the run no longer steps it (replaced during
+        fit); its state stays with it, freed with it as under DDP."""
+        keep = []
+        for target in self._targets:
+            if unwrap(target) is optimizer:
+                for name in _ROUTED:
+                    target.__dict__.pop(name, None)
+            else:
+                keep.append(target)
+        self._targets = keep
+        inner = self.inner.pop(id(optimizer), None)
+        if inner is not None and getattr(inner, "_wrapped_by_lr_sched", False):
+            optimizer.step = inner
 
     def route_wrapper(self, wrapper: Any) -> None:
         """A wrapper of an adopted optimizer (``LightningOptimizer``) clears and saves through it."""
