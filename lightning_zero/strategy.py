@@ -123,7 +123,8 @@ class ZeroStrategy(ParallelStrategy):
     def optimizers(self, optimizers: list[Any]) -> None:
         ParallelStrategy.optimizers.fset(self, optimizers)  # Lightning builds new wrappers here
         if getattr(self, "engine", None) is not None and self._engine_steps:
-            self.engine.adopt_optimizers(optimizers)  # a callback may set new ones during fit
+            if self.engine.adopt_optimizers(optimizers):  # a callback may set new ones during fit
+                self._auto.overlap_after_first = None  # zero_auto's later overlap named the old optimizer
             self.engine.route_wrappers(lightning_compat.lightning_optimizers(self))
 
     @property

@@ -712,6 +712,7 @@ class ZeroEngine:
             self.routes.adopt(optimizer, self.optimizer_step, self.zero_grad, pieces=self._piece_slot)
         self.optimizers = current
         if new and self.offloader is not None:
+            self.host_schedule.trial = None  # a speculation trial timed the old optimizer: it must not set it again
             self.say(self.overlap_step(None, "optimizers set again during fit"))
         return new
 
