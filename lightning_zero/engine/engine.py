@@ -679,9 +679,7 @@ class ZeroEngine:
     def _update_aliases(self, units: list[FlatUnit]) -> None:
         """Tensors a user gave parameters (``p.data = t``) follow the new values, as under DDP, where ``t`` became the
         parameter (see [Note: replaced parameter data]): the fp32 masters, gathered (a collective)."""
-        for unit in units:
-            full = torch.empty(unit.layout.padded_numel, dtype=torch.float32, device=self.device)
-            self.comm.all_gather(full, unit.master.detach().to(self.device), async_op=False)
+        for unit, full in self.gather_masters(units):
             views = unit.param_views(full)
             for slot, alias in unit.aliases.items():
                 alias.copy_(views[slot])
@@ -699,11 +697,11 @@ class ZeroEngine:
         With offload the host then steps after backward (the overlap was set up for the old optimizer). Returns
         the new ones."""
         current = [unwrap(o) for o in optimizers]
-        ids = {id(o) for o in current}
-        new = [o for o in current if id(o) not in {id(k) for k in self.optimizers}]
-        gone = [o for o in self.optimizers if id(o) not in ids]
+        known, listed = {id(o) for o in self.optimizers}, {id(o) for o in current}
+        new = [o for o in current if id(o) not in known]
+        gone = [o for o in self.optimizers if id(o) not in listed]
         for k, optimizer in enumerate(current):
-            if optimizer in new:
+            if id(optimizer) not in known:
                 check_optimizer(optimizer, self.config.allow_untested_optimizer)
                 self._check_params(k, optimizer)
         for optimizer in gone:
@@ -792,9 +790,9 @@ class ZeroEngine:
         self.routes.release()
         _live.discard(self)
 
-    def gather_masters(self) -> Iterable[tuple[FlatUnit, torch.Tensor]]:
-        """Yield each unit with its full fp32 values (one unit's full buffer alive at a time)."""
-        for unit in self.units:
+    def gather_masters(self, units: Optional[Iterable[FlatUnit]] = None) -> Iterable[tuple[FlatUnit, torch.Tensor]]:
+        """Yield each unit (default: all) with its full fp32 values (one unit's full buffer alive at a time)."""
+        for unit in self.units if units is None else units:
             full = torch.empty(unit.layout.padded_numel, dtype=torch.float32, device=self.device)
             self.comm.all_gather(full, unit.master.detach().to(self.device), async_op=False)
             yield unit, full

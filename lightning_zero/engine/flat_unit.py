@@ -328,6 +328,7 @@ class FlatUnit:
     def take_replaced(self, slots: list[int]) -> None:
         """The values parameters were given by ``p.data = ...`` become the unit's (master and buffer); the
         parameters are the unit's views (or placeholders) again."""
+        shown_views = self._shown_views() if self.state is UnitState.UNSHARDED else []
         for i in slots:
             param, shape = self.params[i], self.shapes[i]
             if param.shape != shape:
@@ -344,7 +345,7 @@ class FlatUnit:
                     values[span.param_start:span.param_start + span.length])
             if self.state is UnitState.UNSHARDED:
                 self.views[i].copy_(values.view(shape))
-                shown = self._shown_views()[i]
+                shown = shown_views[i]
                 if shown is not self.views[i]:
                     shown.copy_(values.view(shape))
                 param.data = shown

@@ -126,17 +126,11 @@ class Routes:
     def release_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Give one optimizer (and its wrappers) its own methods back: the run no longer steps it (replaced during
         fit); its state stays with it, freed with it as under DDP."""
-        keep = []
         for target in self._targets:
             if unwrap(target) is optimizer:
-                for name in _ROUTED:
-                    target.__dict__.pop(name, None)
-            else:
-                keep.append(target)
-        self._targets = keep
-        inner = self.inner.pop(id(optimizer), None)
-        if inner is not None and getattr(inner, "_wrapped_by_lr_sched", False):
-            optimizer.step = inner
+                self._unroute(target)
+        self._targets = [t for t in self._targets if unwrap(t) is not optimizer]
+        self.inner.pop(id(optimizer), None)
 
     def route_wrapper(self, wrapper: Any) -> None:
         """A wrapper of an adopted optimizer (``LightningOptimizer``) clears and saves through it."""
@@ -164,13 +158,17 @@ class Routes:
     def release(self) -> None:
         """Undo every routing (teardown): the objects' own methods again."""
         for target in self._targets:
-            inner = self.inner.get(id(target))
-            for name in _ROUTED:
-                target.__dict__.pop(name, None)
-            if inner is not None and getattr(inner, "_wrapped_by_lr_sched", False):
-                target.step = inner  # keep an LR scheduler's step counter
+            self._unroute(target)
         self._targets.clear()
         self.inner.clear()
+
+    def _unroute(self, target: Any) -> None:
+        """One routed object's own methods again (an optimizer keeps an LR scheduler's step counter)."""
+        inner = self.inner.get(id(target))
+        for name in _ROUTED:
+            target.__dict__.pop(name, None)
+        if inner is not None and getattr(inner, "_wrapped_by_lr_sched", False):
+            target.step = inner
 
 
 def _never_stepped(optimizer: torch.optim.Optimizer) -> bool:
