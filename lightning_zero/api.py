@@ -170,7 +170,7 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None,
     if dist_init_required is not False and not dist.is_initialized():  # as DeepSpeed: a plain process is a group of 1
         init_distributed(distributed_port=distributed_port)
     device = _device()
-    comm = (Comm.from_group(None) if dist.is_initialized() else Comm()).with_control()
+    comm = Comm.from_group(None, timeout_s=ds.zero.collective_timeout_s).with_control()
     if ds.warnings and comm.rank == 0:
         warnings.warn("lightning_zero read the DeepSpeed config: " + "; ".join(ds.warnings) + ".", stacklevel=2)
     meta = has_meta(model)

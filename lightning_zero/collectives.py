@@ -66,16 +66,25 @@ class Comm:
     control: Optional[Any] = None  # gloo group of the entry checks of user-called collectives (rendezvous)
     host: Optional[Any] = None  # gloo group of the same ranks for host tensors (see host_group)
     meshes: dict = field(default_factory=dict)  # device type -> DeviceMesh over this group (see mesh)
+    # each collective's wait limit (ZeroConfig.collective_timeout_s) on the groups made here; torch's new_group
+    # would give them its backend default (30 minutes) instead of the default group's
+    timeout_s: Optional[float] = None
 
     @property
     def _local(self) -> bool:
         return self.world_size == 1 and not (self.force and dist.is_initialized())
 
     @classmethod
-    def from_group(cls, group: Optional[Any] = None) -> Comm:
+    def from_group(cls, group: Optional[Any] = None, timeout_s: Optional[float] = None) -> Comm:
         if not (dist.is_available() and dist.is_initialized()):
-            return cls()
-        return cls(dist.get_rank(group), dist.get_world_size(group), group)
+            return cls(timeout_s=timeout_s)
+        return cls(dist.get_rank(group), dist.get_world_size(group), group, timeout_s=timeout_s)
+
+    def _new_group(self, backend: str) -> Any:
+        """A group of these ranks (a collective call: every rank makes it) with this Comm's wait limit."""
+        ranks = dist.get_process_group_ranks(self.group) if self.group is not None else list(range(dist.get_world_size()))
+        timeout = timedelta(seconds=self.timeout_s) if self.timeout_s is not None else None
+        return dist.new_group(ranks, backend=backend, timeout=timeout)
 
     def sibling(self) -> Comm:
         """The same ranks on a second process group (a collective call: every rank must make it).
@@ -86,9 +95,8 @@ class Comm:
         """
         if self._local or not dist.is_initialized():
             return self
-        ranks = dist.get_process_group_ranks(self.group) if self.group is not None else list(range(dist.get_world_size()))
-        group = dist.new_group(ranks, backend=dist.get_backend(self.group))
-        return Comm(self.rank, self.world_size, group, self.bytes_moved, self.force)
+        return Comm(self.rank, self.world_size, self._new_group(dist.get_backend(self.group)), self.bytes_moved,
+                    self.force, timeout_s=self.timeout_s)
 
     @property
     def backend(self) -> str:
@@ -198,8 +206,7 @@ class Comm:
             if dist.get_backend(self.group) == "gloo":
                 self.host = self.group if self.group is not None else dist.group.WORLD
             else:
-                ranks = dist.get_process_group_ranks(self.group) if self.group is not None else None
-                self.host = dist.new_group(ranks, backend="gloo")
+                self.host = self._new_group("gloo")
         return self.host
 
     def all_to_all_host(self, output: torch.Tensor, input: torch.Tensor, output_splits: list[int],
@@ -226,8 +233,7 @@ class Comm:
     def with_control(self) -> Comm:
         """This Comm plus a small gloo group for :meth:`rendezvous` (a collective call: every rank makes it)."""
         if self.world_size > 1 and dist.is_initialized() and self.control is None:
-            ranks = dist.get_process_group_ranks(self.group) if self.group is not None else None
-            self.control = dist.new_group(ranks, backend="gloo")
+            self.control = self._new_group("gloo")
         return self
 
     def close_control(self) -> None:
@@ -239,6 +245,31 @@ class Comm:
             dist.destroy_process_group(self.host)
         self.host = None
         self.meshes.clear()
+
+    # [Note: a failure named on every rank] When the ranks' collectives fall out of step, each rank times out in a
+    # collective of its own: the one in the engine's wait names the cause, another may wait in Lightning's logging
+    # all-reduce and know nothing. The store, outside every group, carries the named cause to the others.
+    _FAILURE_KEY = "lightning_zero/failure"
+
+    def report_failure(self, message: str) -> None:
+        """Leave ``message`` for the other ranks (see :meth:`reported_failure`); best effort."""
+        store = _default_store() if self.world_size > 1 else None
+        if store is not None:
+            try:
+                store.set(self._FAILURE_KEY, f"rank {self.rank}: {message}")
+            except Exception:  # noqa: BLE001 - a broken store must not hide the rank's own error
+                pass
+
+    def reported_failure(self, wait_s: float) -> Optional[str]:
+        """What another rank reported within ``wait_s`` seconds, or None."""
+        store = _default_store() if self.world_size > 1 else None
+        if store is None:
+            return None
+        try:
+            store.wait([self._FAILURE_KEY], timedelta(seconds=wait_s))
+            return store.get(self._FAILURE_KEY).decode()
+        except Exception:  # noqa: BLE001 - nothing reported (a timeout) or no store left
+            return None
 
     def rendezvous(self, what: str, timeout_s: float) -> None:
         """Every rank reaches ``what`` within ``timeout_s``, or each rank that did raises
@@ -255,3 +286,14 @@ class Comm:
 
     def reset_counters(self) -> None:
         self.bytes_moved.clear()
+
+
+def _default_store() -> Optional[Any]:
+    """The default group's store (no public accessor in torch 2.11-2.13), or None."""
+    getter = getattr(dist.distributed_c10d, "_get_default_store", None)
+    if getter is None or not dist.is_initialized():
+        return None
+    try:
+        return getter()
+    except Exception:  # noqa: BLE001
+        return None

@@ -71,7 +71,7 @@ def start_lightning_group(cluster_environment: Any, backend: str, timeout_s: flo
     if created:  # a group we started is also ours to end: see [Note: destroy the group at exit]
         exit_hook.arm(lightning_compat.destroy_process_group)
     exit_hook.clean = True
-    comm = Comm.from_group(None).with_control()
+    comm = Comm.from_group(None, timeout_s=timeout_s).with_control()
     exit_hook.watch(comm)
     return comm
 

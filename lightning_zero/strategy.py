@@ -34,6 +34,7 @@ from .config import ZeroConfig, ZeroConfigError, _reject_unknown
 from .engine import ZeroEngine
 from .engine.materialize import RngState, has_meta, meta_parameters, move_all_but_flattened
 from .engine.memory import MemoryReport, memory_report
+from .engine.schedule_check import GatherScheduleError
 from .engine.state import full_model_state, full_optimizer_state
 from .lightning_grad_norm import install as install_grad_norm
 from .precision.buffers import match_compute_dtype
@@ -645,7 +646,20 @@ class ZeroStrategy(ParallelStrategy):
         # destroying the group would wait for them, i.e. for peers that will never join them.
         process_group.exit_hook.clean = False
         self._failed = True  # teardown must not wait in a collective the other ranks may never join
+        self._name_collective_failure(exception)
         super().on_exception(exception)
+
+    def _name_collective_failure(self, exception: BaseException) -> None:
+        """See [Note: a failure named on every rank] in :mod:`lightning_zero.collectives`: the rank whose engine named
+        the cause leaves it; a rank that failed in some other collective's wait adds it to its own error."""
+        if isinstance(exception, GatherScheduleError):
+            self.comm.report_failure(str(exception))
+        elif isinstance(exception, RuntimeError) and _collective_failure(exception):
+            # the rank that names the cause times out later: its gathers in flight each time out in turn first
+            cause = self.comm.reported_failure(min(8 * self.config.collective_timeout_s + 10.0, 240.0))
+            if cause is not None:
+                exception.args = (f"{cause}\n(this rank's own wait: {exception.args[0] if exception.args else ''})",
+                                  *exception.args[1:])
 
     def teardown(self) -> None:
         """No rank gathers the model here. Stage 3 keeps its engine (the module stays sharded, and
@@ -701,3 +715,9 @@ class ZeroStrategy(ParallelStrategy):
     def register_strategies(cls, strategy_registry: Any) -> None:
         for name, description, config in PRESETS:
             strategy_registry.register(name, cls, description=description, config=config)
+
+
+def _collective_failure(exception: BaseException) -> bool:
+    """A collective that failed in its wait (a timeout, a peer gone), by the backends' messages."""
+    text = str(exception)
+    return any(mark in text for mark in ("Timed out", "timed out", "Connection closed by peer", "NCCL", "gloo"))

@@ -326,11 +326,15 @@ class ExpertLayer(nn.Module):
         self.name = name
         setattr(self, name, nn.ModuleList([Block(dim) for _ in range(count)]))
         self.rank = 0
+        self.same_until = 0  # forwards in which every rank may pick only rank 0's experts
+        self.calls = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         experts = getattr(self, self.name)
         gate = self.router(x).softmax(-1)
-        allowed = torch.tensor([(e + self.rank) % 2 == 0 for e in range(len(experts))])
+        rank = 0 if self.calls < self.same_until else self.rank
+        self.calls += 1
+        allowed = torch.tensor([(e + rank) % 2 == 0 for e in range(len(experts))])
         choice = gate.masked_fill(~allowed, -1.0).argmax(-1)
         out = torch.zeros_like(x)
         for e in choice.unique().tolist():
@@ -371,6 +375,25 @@ def conditional_groups_case(rank: int, world: int) -> dict:
                                                collective_timeout_s=30.0))
     trainer.fit(BranchesLM(), lm_data())
     return {}
+
+
+def late_conditional_groups_case(rank: int, world: int, prefetch: int) -> dict:
+    """BranchesLM whose ranks run the same branches for three steps, then different ones: by then prefetch has
+    learned the order, so the ranks' collectives fall out of step inside the step (a rank gathers a branch beside
+    the one it prefetched). Returns what each rank raised."""
+    pl.seed_everything(0, verbose=False)
+    module = BranchesLM()
+    module.moe.same_until = 3
+    trainer = pl.Trainer(accelerator="cpu", devices=world, logger=False, enable_checkpointing=False, max_epochs=1,
+                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                         strategy=ZeroStrategy(stage=3, min_group_params=100, param_persistence_threshold=0,
+                                               prefetch=prefetch, collective_timeout_s=5.0))
+    try:
+        trainer.fit(module, lm_data())
+    except Exception as err:  # noqa: BLE001 - the test reads each rank's error
+        import traceback
+        return {"error": f"{type(err).__name__}: {err}", "step": trainer.global_step, "trace": traceback.format_exc()}
+    return {"step": trainer.global_step}
 
 
 def one_rank_forward_after_fit_case(rank: int, world: int, member: bool = False) -> dict:

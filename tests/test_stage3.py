@@ -10,6 +10,7 @@ from lightning_cases import (
     conditional_groups_case,
     fit_case,
     init_module_case,
+    late_conditional_groups_case,
     meta_init_case,
     one_rank_forward_after_fit_case,
     uneven_eval_case,
@@ -144,6 +145,18 @@ def test_groups_that_run_on_some_ranks_only_fail_clearly_instead_of_training_on_
     # branches of equal shapes: their gathers pair up across ranks; the schedule check stops the fit a step later
     with pytest.raises(RuntimeError, match="gathered different parameter groups"):
         run_ranks(conditional_groups_case, 2, lightning=True, timeout=120)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("prefetch", [0, 1, 2])
+def test_groups_that_diverge_after_prefetch_learned_the_order_fail_clearly_on_every_rank(prefetch):
+    results = run_ranks(late_conditional_groups_case, 2, prefetch, lightning=True, timeout=150)
+    for r in results:
+        assert "error" in r, r
+        # the cause on every rank: its own wait's (a gather or a gradient reduction), or the one another rank named
+        assert "out of step" in r["error"] or "gathered different parameter groups" in r["error"], r["trace"]
+        assert "wrap_modules" in r["error"] and "stage 1/2" in r["error"], r["error"]
+        assert r["step"] <= 5  # the forwards first differ in the fourth step (index 3); stopped within two steps
 
 
 @pytest.mark.slow

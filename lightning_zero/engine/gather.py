@@ -50,7 +50,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from ..collectives import Comm, Handle
 from .flat_unit import FlatUnit, UnitState
-from .schedule_check import GatherScheduleCheck
+from .schedule_check import GatherScheduleCheck, out_of_step
 from .weak import weakly
 
 __all__ = ["Gatherer", "TrainingState", "UNSCOPED_FORWARD"]
@@ -242,13 +242,7 @@ class Gatherer:
             try:
                 pending.wait()
             except RuntimeError as err:
-                raise RuntimeError(
-                    f"lightning_zero stage 3: the all-gather of parameters {unit.names[:3]}... did not complete on "
-                    f"every rank. The usual cause is ranks running different forward passes (uneven evaluation "
-                    f"batches, or data-dependent control flow that skips a group module on some ranks): under stage 3 "
-                    f"every rank must run the same group modules in the same order. Give each rank the same number of "
-                    f"batches (Lightning's DistributedSampler does), wrap the module that always runs (the MoE layer, "
-                    f"not each expert), or use stage 1/2.") from err
+                raise out_of_step("all-gather", unit.names) from err
 
     def _acquire(self, unit: FlatUnit) -> None:
         self.slots[unit.index].holders += 1

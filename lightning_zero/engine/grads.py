@@ -42,6 +42,7 @@ from ..collectives import Comm, Handle
 from ..config import ZeroConfigError
 from .flat_unit import FlatUnit
 from .readiness import reached_leaves
+from .schedule_check import out_of_step
 from .supported import SPARSE_GRADIENT
 from .weak import weakly
 
@@ -313,7 +314,10 @@ class GradientReducer:
 
     def _complete(self, unit: FlatUnit, out: torch.Tensor, handle: Handle) -> None:
         with record_function(f"zero/reduce_wait[unit {unit.index}]"):
-            handle.wait()
+            try:
+                handle.wait()
+            except RuntimeError as err:
+                raise out_of_step("gradient reduce-scatter", unit.names) from err
         unscale = 1.0 / self.grad_scale
         if self.sink is not None:
             self.sink(unit, out, self.last_micro_batch, unscale)

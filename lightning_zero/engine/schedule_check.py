@@ -20,13 +20,28 @@ import torch
 
 from ..collectives import Comm
 
-__all__ = ["GatherScheduleCheck", "GatherScheduleError"]
+__all__ = ["GatherScheduleCheck", "GatherScheduleError", "out_of_step"]
 
 _MASK = (1 << 62) - 1
 
 
 class GatherScheduleError(RuntimeError):
     pass
+
+
+def out_of_step(collective: str, names: list[str]) -> GatherScheduleError:
+    """A parameter collective that timed out (``collective_timeout_s``). With prefetch the ranks' gathers can fall
+    out of step inside the step in which their forwards first differ (a rank gathers a group its prediction did
+    not name, beside the one it prefetched), before the check above compares them: each rank then waits in some
+    collective of its own, and this names the cause wherever it waits (a gather or a gradient reduction)."""
+    return GatherScheduleError(
+        f"lightning_zero: the {collective} of parameters {names[:3]}... did not complete on every rank within "
+        f"collective_timeout_s: the ranks' collectives are out of step. Under stage 3 the usual cause is ranks "
+        f"running different group modules (uneven evaluation batches, or data-dependent control flow that runs a "
+        f"group module on some ranks only, such as experts that are groups of their own): every rank must run the "
+        f"same group modules in the same order. Give each rank the same number of batches (Lightning's "
+        f"DistributedSampler does), wrap the module that always runs (wrap_modules=[the MoE layer's class], not "
+        f"each expert), or use stage 1/2. Otherwise another rank failed or stopped: see its log.")
 
 
 class GatherScheduleCheck:
