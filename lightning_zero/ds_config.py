@@ -59,6 +59,8 @@ TOP_UNMAPPED = {"steps_per_print", "wall_clock_breakdown", "prescale_gradients",
                 "sparse_gradients", "memory_breakdown", "aio", "timers"}
 FP16_KEYS = {"enabled", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale",
              "auto_cast", "consecutive_hysteresis", "fp16_master_weights_and_grads"}
+BF16_KEYS = {"enabled", "immediate_grad_update", "check_grad_overflow", "bf16_master_weights_and_grads",
+             "bf16_optimizer_states"}
 OFFLOAD_KEYS = {"device", "nvme_path", "pin_memory", "ratio", "buffer_count", "buffer_size", "fast_init",
                 "max_in_cpu", "pipeline_read", "pipeline_write", "pipeline"}
 OPTIMIZERS = ("Adam", "AdamW", "SGD", "Adagrad")
@@ -137,6 +139,17 @@ def _unknown(keys: set[str], known: set[str], where: str, out: list[str]) -> Non
         close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.75)
         hint = f" — did you mean '{close[0]}'?" if close else ""
         out.append(f"'{where}{key}' is not a DeepSpeed key and is ignored{hint}")
+
+
+def _misspelt_switch(section: dict, switch: str, known: set[str], where: str, consequence: str) -> None:
+    """A section without its switch key but with a key close to it: the switch was misspelt, and the section
+    would silently mean the opposite of what it says."""
+    if switch in section:
+        return
+    close = difflib.get_close_matches(switch, sorted(set(section) - known), n=1, cutoff=0.6)
+    if close:
+        raise DeepSpeedConfigError(f"'{where}.{close[0]}' is not a DeepSpeed key: did you mean '{where}.{switch}'? As "
+                                   f"written the section {consequence}.")
 
 
 def _enabled(section: Any) -> bool:
@@ -236,7 +249,7 @@ def import_deepspeed_config(source: Union[str, Path, dict], base: Optional[ZeroC
     _unknown(set(ds), TOP_KEYS | TOP_UNMAPPED, "", notes)
     unmapped += sorted(k for k in ds if k in TOP_UNMAPPED)
     values: dict[str, Any] = {}
-    zero = dict(ds.get("zero_optimization", {}))
+    zero = dict(ds.get("zero_optimization") or {})  # null: as absent
     _unknown(set(zero), set(ZERO_KEYS) | set(ZERO_UNMAPPED), "zero_optimization.", notes)
     unmapped += [f"zero_optimization.{k} ({ZERO_UNMAPPED[k]})" for k in sorted(zero) if k in ZERO_UNMAPPED]
     stage = as_number(zero.get("stage", 0), "zero_optimization.stage")
@@ -318,6 +331,7 @@ def _offload_optimizer(zero: dict, values: dict, notes: list[str]) -> None:
                                                    if "cpu_offload_use_pin_memory" in zero else {})}
     if not isinstance(section, dict):
         return
+    _misspelt_switch(section, "device", OFFLOAD_KEYS, "zero_optimization.offload_optimizer", "offloads nothing")
     _unknown(set(section), OFFLOAD_KEYS, "zero_optimization.offload_optimizer.", notes)
     device = section.get("device", "none")
     if device not in ("none", "cpu", "nvme"):
@@ -340,6 +354,7 @@ def _offload_params(zero: dict, stage: int, values: dict, notes: list[str]) -> N
         section = section or {"device": "cpu"}
     if not isinstance(section, dict):
         return
+    _misspelt_switch(section, "device", OFFLOAD_KEYS, "zero_optimization.offload_param", "offloads nothing")
     _unknown(set(section), OFFLOAD_KEYS, "zero_optimization.offload_param.", notes)
     device = section.get("device", "none")
     if device == "none":
@@ -361,8 +376,11 @@ def _precision(ds: dict, values: dict, notes: list[str]) -> Optional[str]:
     fp16, bf16 = ds.get("fp16"), ds.get("bf16")
     if _enabled(fp16) and _enabled(bf16):
         raise DeepSpeedConfigError("Both fp16.enabled and bf16.enabled are true: choose one (bf16 needs no loss scaling).")
-    if isinstance(fp16, dict):
-        _unknown(set(fp16), FP16_KEYS, "fp16.", notes)
+    for name, section, known in (("fp16", fp16, FP16_KEYS), ("bf16", bf16, BF16_KEYS)):
+        if not isinstance(section, dict):
+            continue
+        _misspelt_switch(section, "enabled", known, name, f"does not turn {name} on: the run would train in fp32")
+        _unknown(set(section), known, f"{name}.", notes)
     if _enabled(fp16):
         for key, target in (("loss_scale", "loss_scale"), ("initial_scale_power", "initial_scale_power"),
                             ("loss_scale_window", "loss_scale_window"), ("hysteresis", "hysteresis"),
@@ -388,7 +406,7 @@ def _optimizer(spec: Any) -> Optional[dict[str, Any]]:
     if match is None:
         raise DeepSpeedConfigError(f"DeepSpeed optimizer type {kind!r} is not supported here: use one of "
                                    f"{', '.join(OPTIMIZERS)}, or build your optimizer in configure_optimizers.")
-    return {"type": match, "params": dict(spec.get("params", {}))}
+    return {"type": match, "params": dict(spec.get("params") or {})}
 
 
 def build_optimizer(spec: dict[str, Any], params: Any) -> Any:

@@ -11,6 +11,8 @@ strategy on N gloo ranks (tests/test_builtin_callbacks.py compares them with DDP
 - ``replace``: a user callback that assigns new data to a parameter (``p.data = t``) and keeps ``t``.
 - ``switch_optimizer``: a callback switches AdamW for SGD with momentum at the second epoch
   (``trainer.strategy.setup_optimizers(trainer)`` after changing what ``configure_optimizers`` returns).
+- ``reset_state``: a callback clears, zeroes and deletes the optimizer state of some parameters, reached by the
+  module's parameters (``opt.state[p]``), at the second epoch.
 - ``epoch_ends_mid_window``: ``on_train_batch_start`` returning -1 ends the first epoch inside an accumulation
   window; the next window's ``zero_grad`` drops that partial gradient, wherever it is held (with offload, a device
   accumulator).
@@ -88,6 +90,23 @@ class SwitchToSGD(Callback):
             trainer.strategy.setup_optimizers(trainer)
 
 
+class ResetStateByParameter(Callback):
+    """At the second epoch's start the head restarts Adam (``if p in opt.state: opt.state[p].clear()``), the first
+    block's weight keeps its step count but loses its first moment (``opt.state[p]["exp_avg"].zero_()``) and its
+    bias's state is deleted (``del opt.state[p]``): state reached by the module's parameters, as under DDP."""
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        if trainer.current_epoch != 1:
+            return
+        state = trainer.optimizers[0].state
+        for p in pl_module.head.parameters():
+            if p in state:
+                state[p].clear()
+        state[pl_module.blocks[0].weight]["exp_avg"].zero_()
+        if pl_module.blocks[0].bias in state:
+            del state[pl_module.blocks[0].bias]
+
+
 def _strategy(name: str):
     if name == "ddp":
         return "ddp"
@@ -105,7 +124,7 @@ def callback_case(rank: int, world: int, strategy: str, case: str, root: str) ->
                  "pruning": [ModelPruning("l1_unstructured", amount=0.3)],
                  "accumulation": [GradientAccumulationScheduler({0: 1, 1: 3, 2: 2})],
                  "replace": [replace], "epoch_ends_mid_window": [],
-                 "switch_optimizer": [SwitchToSGD()]}[case]
+                 "switch_optimizer": [SwitchToSGD()], "reset_state": [ResetStateByParameter()]}[case]
     trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=_strategy(strategy), max_epochs=3, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          num_sanity_val_steps=0, callbacks=callbacks, default_root_dir=root,

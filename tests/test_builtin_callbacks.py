@@ -11,7 +11,7 @@ from dist_utils import run_ranks
 from parity import assert_parity
 
 STRATEGIES = ("zero1", "zero2", "zero3", "zero2_offload", "zero3_offload")
-CASES = ("lr_finder", "pruning", "accumulation", "replace", "epoch_ends_mid_window", "switch_optimizer")
+CASES = ("lr_finder", "pruning", "accumulation", "replace", "epoch_ends_mid_window", "switch_optimizer", "reset_state")
 
 
 @pytest.fixture(scope="module")
@@ -122,3 +122,31 @@ def test_data_assigned_after_fit_is_what_validate_and_the_next_fit_use(tmp_path,
         out[name] = (val, module.losses)
     assert out[strategy][0] == pytest.approx(out["ddp"][0], rel=1e-6)
     assert out[strategy][1] == pytest.approx(out["ddp"][1], rel=1e-5)
+
+
+def test_state_by_parameter_reaches_this_ranks_piece():
+    """[Note: state by parameter]: a module parameter as key means its piece here; one this rank holds none of has
+    nothing to read or change; other keys (the pieces themselves, as the step uses them) are plain."""
+    import copy
+    from collections import defaultdict
+
+    from lightning_zero.engine.optim import PieceKeyedState
+
+    here, elsewhere, piece = torch.nn.Parameter(torch.ones(4)), torch.nn.Parameter(torch.ones(4)), torch.zeros(2)
+    table = {id(here): piece, id(elsewhere): None}
+    state = PieceKeyedState(dict, resolve=lambda k: (id(k) in table, table.get(id(k))))
+    state[piece]["exp_avg"] = torch.ones(2)  # the step's own use
+    assert here in state and state[here] is state[piece] and state.get(here) is state[piece]
+    assert elsewhere not in state and state.get(elsewhere, "none") == "none"
+    assert state[elsewhere]["exp_avg"].numel() == 0  # reads as empty, changes nothing
+    state[elsewhere] = {"step": 1}
+    del state[elsewhere]
+    assert len(state) == 1 and state.pop(elsewhere, None) is None
+    state[here] = {"step": torch.tensor(3.0)}
+    assert state[piece]["step"] == 3
+    del state[here]
+    assert piece not in state and here not in state
+    state[here]["exp_avg"] = torch.zeros(2)  # defaultdict as torch's: a new entry, under the piece
+    assert list(state) == [piece]
+    plain = copy.deepcopy(state)
+    assert type(plain) is defaultdict and len(plain) == 1

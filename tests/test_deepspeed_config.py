@@ -83,11 +83,24 @@ def test_the_real_users_config_loads_with_the_messages_they_need():
     ({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}, "without offload_optimizer"),
     ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "gpu"}}}, "'cpu', 'nvme' or 'none'"),
     ({"zero_optimization": {"stage": 2}, "optimizer": {"type": "Lamb"}}, "not supported"),
+    # a misspelt switch would silently mean the opposite of what the section says
+    ({"bf16": {"enabeld": True}}, "did you mean 'bf16.enabled'"),
+    ({"fp16": {"enable": True, "loss_scale": 0}}, "did you mean 'fp16.enabled'"),
+    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"devise": "cpu"}}},
+     "did you mean 'zero_optimization.offload_optimizer.device'"),
+    ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"devcie": "cpu"}}},
+     "did you mean 'zero_optimization.offload_param.device'"),
 ])
 def test_contradictions_are_one_line_errors(ds, needle):
     with pytest.raises((DeepSpeedConfigError, ZeroConfigError)) as err:
         import_deepspeed_config(ds)
     assert needle in str(err.value) and "\n" not in str(err.value)
+
+
+def test_null_sections_read_as_absent_and_other_bf16_keys_are_named():
+    assert import_deepspeed_config({"zero_optimization": None, "optimizer": {"type": "AdamW", "params": None}}).zero.stage == 1
+    out = import_deepspeed_config({"bf16": {"enabled": True, "immediate_grad_updte": True}})
+    assert out.precision == "bf16-mixed" and any("did you mean 'immediate_grad_update'" in w for w in out.warnings)
 
 
 def test_a_config_that_is_not_an_object_is_named(tmp_path):

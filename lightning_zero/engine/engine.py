@@ -121,7 +121,7 @@ class ZeroEngine:
         self.free_grads_at_step = free_grads_at_step
         self.routes = Routes()
         for optimizer in self.optimizers:
-            self.routes.adopt(optimizer, self.optimizer_step, self.zero_grad)
+            self.routes.adopt(optimizer, self.optimizer_step, self.zero_grad, resolve=self._state_resolver())
         self.route_wrappers(wrappers)
         self.routes.route_module(module, self.zero_all_grads)
         self._sync_buffers_next = True  # see before_training_forward
@@ -442,6 +442,31 @@ class ZeroEngine:
                 out.append(found)
         return out
 
+    def _state_resolver(self) -> Callable[[Any], tuple[bool, Any]]:
+        """``optimizer.state`` by module parameter (see [Note: state by parameter] in :mod:`.optim`); holds the
+        engine weakly (the optimizer may outlive it)."""
+        ref = weakref.WeakMethod(self._state_key)
+
+        def resolve(key: Any) -> tuple[bool, Any]:
+            method = ref()
+            return method(key) if method is not None else (False, None)
+        return resolve
+
+    def _state_key(self, key: Any) -> tuple[bool, Any]:
+        found = self._slot.get(id(key))
+        if found is None or found[0].params[found[1]] is not key:
+            return False, None
+        unit, slot = found
+        if unit.index in self._host_indices():
+            if self.config.offload_optimizer == "nvme":
+                raise RuntimeError(
+                    f"optimizer.state[{unit.names[slot]!r}]: with offload_optimizer='nvme' the optimizer state lives "
+                    f"in files that the step reads and writes; it cannot be read or changed by the parameter. Change "
+                    f"it through a checkpoint, or offload to 'cpu'.")
+            if self.config.delayed_step:
+                self.settle(publish=False)  # the host's running update owns the state until it is done
+        return True, unit.pieces[slot]
+
     def slot_of(self, param: nn.Parameter) -> tuple[FlatUnit, int]:
         """The unit holding ``param`` and its slot there."""
         return self._slot[id(param)]
@@ -707,7 +732,8 @@ class ZeroEngine:
         for optimizer in gone:
             self.routes.release_optimizer(optimizer)
         for optimizer in new:
-            self.routes.adopt(optimizer, self.optimizer_step, self.zero_grad, pieces=self._piece_slot)
+            self.routes.adopt(optimizer, self.optimizer_step, self.zero_grad, pieces=self._piece_slot,
+                              resolve=self._state_resolver())
         self.optimizers = current
         if new and self.offloader is not None:
             self.host_schedule.trial = None  # a speculation trial timed the old optimizer: it must not set it again

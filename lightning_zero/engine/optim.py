@@ -13,12 +13,22 @@ update is elementwise: each element's new value depends on its own history alone
 
 The adopted optimizer's ``step``, ``zero_grad``, ``state_dict`` and ``load_state_dict``
 are routed through the engine, so calling them directly cannot silently do nothing.
+
+[Note: state by parameter]
+User code reaches a parameter's state by the parameter: ``if p in opt.state: opt.state[p].clear()`` restarts
+Adam for re-initialised layers. Keyed by pieces, that would find nothing and silently change nothing. So while
+an engine steps the optimizer its ``state`` is a :class:`PieceKeyedState`: a module parameter as key means this
+rank's piece of it. Clearing, deleting or replacing a parameter's state is then what DDP does (a piece's state,
+its ``step`` included, is that parameter's state for the piece's elements); a rank that holds none of the
+parameter finds no state for it and has nothing to change. Values read this way are the piece's, flat, as
+``safe_get_local_optimizer_state`` gives them (``safe_get_full_optimizer_state`` gathers the whole tensor).
 """
 
 from __future__ import annotations
 
 import inspect
 import types
+from collections import defaultdict
 from collections.abc import Callable, Container, Iterator
 from contextlib import contextmanager
 from typing import Any, Optional
@@ -26,7 +36,8 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-__all__ = ["ELEMENTWISE_OPTIMIZERS", "UnsupportedOptimizerError", "check_optimizer", "Routes", "pieces_in_groups",
+__all__ = ["ELEMENTWISE_OPTIMIZERS", "UnsupportedOptimizerError", "check_optimizer", "Routes", "PieceKeyedState",
+           "pieces_in_groups",
            "lazy_state_bytes", "unwrap", "fuse_on_host"]
 
 ELEMENTWISE_OPTIMIZERS: tuple[type, ...] = tuple(
@@ -66,6 +77,73 @@ def check_optimizer(optimizer: torch.optim.Optimizer, allow_untested: bool) -> N
     )
 
 
+_NOT_MANAGED = (False, None)
+
+
+class PieceKeyedState(defaultdict):
+    """An engine-stepped optimizer's ``state`` (see [Note: state by parameter]). ``resolve(key)`` says whether
+    ``key`` is a parameter the engine manages and which piece of it this rank holds (None: none)."""
+
+    def __init__(self, default_factory: Any = dict, *args: Any,
+                 resolve: Callable[[Any], tuple[bool, Any]] = lambda key: _NOT_MANAGED) -> None:
+        super().__init__(default_factory, *args)
+        self.resolve = resolve
+
+    def __reduce__(self) -> Any:  # copies and pickles are plain state
+        return (defaultdict, (self.default_factory,), None, None, iter(self.items()))
+
+    def _key(self, key: Any) -> tuple[bool, Any]:
+        if not isinstance(key, torch.Tensor):
+            return _NOT_MANAGED
+        managed, piece = self.resolve(key)
+        return (True, piece) if managed else (False, key)
+
+    def __getitem__(self, key: Any) -> Any:
+        managed, key = self._key(key)
+        if managed and key is None:  # none of it here: nothing to change on this rank, empty values to read
+            return defaultdict(lambda: torch.empty(0))
+        return super().__getitem__(key)
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        managed, key = self._key(key)
+        if not (managed and key is None):
+            super().__setitem__(key, value)
+
+    def __delitem__(self, key: Any) -> None:
+        managed, key = self._key(key)
+        if not (managed and key is None):
+            super().__delitem__(key)
+
+    def __contains__(self, key: Any) -> bool:
+        managed, key = self._key(key)
+        return key is not None and super().__contains__(key)
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        managed, key = self._key(key)
+        return default if key is None else super().get(key, default)
+
+    def pop(self, key: Any, *default: Any) -> Any:
+        managed, key = self._key(key)
+        if key is None:
+            if default:
+                return default[0]
+            raise KeyError("this rank holds none of the parameter")
+        return super().pop(key, *default)
+
+    def setdefault(self, key: Any, default: Any = None) -> Any:
+        managed, key = self._key(key)
+        return default if key is None else super().setdefault(key, default)
+
+
+def key_state_by_pieces(optimizer: torch.optim.Optimizer, resolve: Callable[[Any], tuple[bool, Any]]) -> None:
+    optimizer.state = PieceKeyedState(dict, optimizer.state, resolve=resolve)
+
+
+def plain_state(optimizer: torch.optim.Optimizer) -> None:
+    if isinstance(optimizer.state, PieceKeyedState):
+        optimizer.state = defaultdict(dict, optimizer.state)
+
+
 class Routes:
     """The engine's side of adopted optimizers: each one's own step, and every object whose
     ``zero_grad`` / ``state_dict`` must reach the engine (the optimizer, Lightning's
@@ -86,7 +164,8 @@ class Routes:
         self._targets: list[Any] = []  # objects whose methods were replaced
 
     def adopt(self, optimizer: torch.optim.Optimizer, step: Callable, zero_grad: Callable,
-              pieces: Optional[Container[int]] = None) -> None:
+              pieces: Optional[Container[int]] = None,
+              resolve: Optional[Callable[[Any], tuple[bool, Any]]] = None) -> None:
         """Route ``optimizer``'s methods through the engine.
 
         Args:
@@ -95,6 +174,8 @@ class Routes:
             zero_grad: ``zero_grad(optimizer, set_to_none)``: clears the optimizer's gradients.
             pieces: ids of the engine's pieces: state kept by them is this engine's own (an optimizer set back
                 during fit after another replaced it), not state of the unsharded parameters.
+            resolve: a module parameter -> (managed, this rank's piece): ``state`` answers by parameter too (see
+                [Note: state by parameter]).
         """
         if pieces is not None and optimizer.state and all(id(p) in pieces for p in optimizer.state):
             pass  # stepped by this engine before: its state stays
@@ -104,6 +185,8 @@ class Routes:
                 "configure_optimizers without stepping it, or restore its state from a checkpoint after setup.")
         else:
             optimizer.state.clear()  # what a constructor made (Adagrad's sums): each piece's state starts fresh alike
+        if resolve is not None:
+            key_state_by_pieces(optimizer, resolve)
         original_zero_grad = optimizer.zero_grad
         inner_step = optimizer.step
         self.inner[id(optimizer)] = inner_step
@@ -165,6 +248,8 @@ class Routes:
     def _unroute(self, target: Any) -> None:
         """One routed object's own methods again (an optimizer keeps an LR scheduler's step counter)."""
         inner = self.inner.get(id(target))
+        if isinstance(target, torch.optim.Optimizer):
+            plain_state(target)
         for name in _ROUTED:
             target.__dict__.pop(name, None)
         if inner is not None and getattr(inner, "_wrapped_by_lr_sched", False):
