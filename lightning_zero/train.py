@@ -94,7 +94,8 @@ def write_strategy_yamls(directory: Path = CONF_DIR / "strategy") -> None:
         (directory / f"{name}.yaml").write_text(strategy_yaml(config.stage, config, description))
     (directory / "deepspeed.yaml").write_text(
         "# A DeepSpeed ds_config.json read by lightning_zero: strategy=deepspeed strategy.deepspeed_config=PATH.\n"
-        "# The JSON's zero_optimization/fp16/bf16/clipping/batch/optimizer/scheduler win over the defaults here.\n"
+        "# The JSON's zero_optimization/fp16/bf16/clipping/batch/optimizer/scheduler win over the defaults here, not over\n"
+        "# strategy.KEY=... typed on the command line.\n"
         f"defaults:\n  - {SCHEMA_NAME}\n  - _self_\n\ndeepspeed_config: ???\n")
 
 
@@ -169,12 +170,25 @@ def strategy_options(node: Any) -> tuple[ZeroConfig, Optional[str]]:
     return ZeroConfig.from_dict(values), deepspeed
 
 
-def build_strategy(node: Any) -> Any:
-    """``ZeroStrategy`` from the composed ``strategy`` node (through ZeroConfig, which validates it)."""
+# What a preset is: named on the command line beside a DeepSpeed JSON (strategy=zero3 strategy.deepspeed_config=...),
+# these stay the preset's; the JSON fills the rest.
+PRESET_FIELDS = ("stage", "offload_optimizer", "offload_params", "auto_placement")
+
+
+def build_strategy(node: Any, explicit: frozenset = frozenset(), chosen: Optional[str] = None) -> Any:
+    """``ZeroStrategy`` from the composed ``strategy`` node (through ZeroConfig, which validates it). With a DeepSpeed
+    JSON, the JSON wins over the YAML's defaults but not over what the user chose: ``strategy.KEY=...`` typed on the
+    command line (``explicit``) and the fields of a preset named there (``chosen``)."""
     from lightning_zero import ZeroStrategy
 
     config, deepspeed = strategy_options(node)
-    return ZeroStrategy(config=config, deepspeed_config=deepspeed)
+    options: dict[str, Any] = {}
+    if deepspeed is not None:
+        named = [f for f in PRESET_FIELDS if chosen not in (None, "deepspeed")]
+        typed = [key.split(".", 1)[1] for key in explicit
+                 if key.startswith("strategy.") and key.split(".", 1)[1] in field_names()]
+        options = {name: getattr(config, name) for name in (*named, *typed)}
+    return ZeroStrategy(config=config, deepspeed_config=deepspeed, **options)
 
 
 # ---- devices ---------------------------------------------------------------------------------------
@@ -353,7 +367,7 @@ def run(cfg: DictConfig) -> dict[str, float]:
     chosen = HydraConfig.get().runtime.choices.get("strategy") if HydraConfig.initialized() else None
     if chosen == "deepspeed" and cfg.strategy.get("deepspeed_config") is None:  # the schema's None hides `???`
         strategy_options({"deepspeed_config": "???"})  # raises: names strategy.deepspeed_config
-    strategy = build_strategy(cfg.strategy)
+    strategy = build_strategy(cfg.strategy, frozenset(_explicit_overrides()), chosen)
     _defer_to_deepspeed_json(strategy, trainer_cfg, _explicit_overrides())
     _limit_cpu_threads(accelerator, devices)
 

@@ -190,6 +190,20 @@ def test_deepspeed_entry_reads_the_json() -> None:
     assert strategy.config.offload_optimizer == "cpu" and strategy.deepspeed.gradient_clip_val == 1.0
 
 
+def test_what_the_user_typed_wins_over_the_deepspeed_json() -> None:
+    """The JSON (stage 2, CPU offload) wins over the YAML's defaults, not over strategy.KEY=... typed on the command
+    line, nor over the fields of a preset named there."""
+    path = Path(__file__).resolve().parents[1] / "examples" / "ds_config_tiny.json"
+    typed = ("strategy=deepspeed", f"strategy.deepspeed_config={path}", "strategy.stage=3", "strategy.prefetch=2")
+    strategy = train.build_strategy(_compose(*typed).strategy, frozenset({"strategy.stage", "strategy.prefetch"}),
+                                    "deepspeed")
+    assert (strategy.config.stage, strategy.config.prefetch, strategy.config.offload_optimizer) == (3, 2, "cpu")
+    strategy = train.build_strategy(_compose("strategy=zero3", f"+strategy.deepspeed_config={path}").strategy,
+                                    frozenset({"strategy"}), "zero3")
+    assert (strategy.config.stage, strategy.config.offload_optimizer) == (3, "none")
+    assert strategy.deepspeed.gradient_clip_val == 1.0  # the rest still from the JSON
+
+
 TRAIN_CASES = {"zero2-fp32": (),
                "zero1-bf16": ("strategy=zero1", "trainer.precision=bf16-mixed", "strategy.reduce_bucket_size=1000000"),
                "zero3-sample-after-fit": ("strategy=zero3", "strategy.wrap_modules=[Block]"),
