@@ -8,6 +8,7 @@ flags (``shard_grads``, ``shard_params``) instead of comparing ``stage`` numbers
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
@@ -172,7 +173,8 @@ class ZeroConfig:
         for name in ("reduce_dtype", "grad_accum_dtype"):
             value = getattr(self, name)
             _check(value is None or value in DTYPE_NAMES, name, value, f"use one of {sorted(set(DTYPE_NAMES))} or null")
-        _check(self.loss_scale >= 0, "loss_scale", self.loss_scale, "use 0 (dynamic) or a positive static scale")
+        _check(self.loss_scale >= 0 and math.isfinite(self.loss_scale), "loss_scale", self.loss_scale,
+               "use 0 (dynamic) or a positive, finite static scale")
         _check(isinstance(self.loss_scale_window, int) and self.loss_scale_window > 0, "loss_scale_window",
                self.loss_scale_window, "use a positive number of steps")
         _check(isinstance(self.hysteresis, int) and self.hysteresis >= 1, "hysteresis", self.hysteresis,

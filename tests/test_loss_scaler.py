@@ -174,7 +174,7 @@ def test_static_scale_never_changes() -> None:
     s = DynamicLossScaler(init_scale=128.0, scale_window=1, hysteresis=1, min_scale=128.0, dynamic=False)
     rng = random.Random(5)
     for _ in range(500):
-        s.update(rng.random() < 0.5)  # never raises, even "at the minimum"
+        s.update(rng.random() < 0.3)  # never raises "at the minimum" (runs of 10 overflows: see the static-limit test)
         assert s.scale == 128.0
 
 
@@ -278,3 +278,43 @@ def test_overflow_counter_counts_all_overflows() -> None:
     flags = [rng.random() < 0.3 for _ in range(400)]
     _run(s, flags)
     assert s.state_dict()["overflows"] == sum(flags)
+
+
+def test_a_static_scale_that_keeps_overflowing_is_an_error_not_a_run_of_skipped_steps() -> None:
+    from lightning_zero.precision.loss_scaler import STATIC_OVERFLOW_LIMIT
+
+    scaler = DynamicLossScaler(init_scale=1e30, dynamic=False)
+    for _ in range(STATIC_OVERFLOW_LIMIT - 1):  # a burst shorter than the limit is skipped, as DeepSpeed skips it
+        scaler.update(True)
+    scaler.update(False)
+    for _ in range(STATIC_OVERFLOW_LIMIT - 1):
+        scaler.update(True)
+    assert scaler.scale == 1e30
+    with pytest.raises(LossScaleAtMinimumError, match="static loss scale 1e\\+30 overflowed .* consecutive steps"):
+        scaler.update(True)
+
+
+def test_zero_precision_under_another_strategy_is_an_error_not_an_unscaled_loss() -> None:
+    import lightning.pytorch as pl
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_zero import ZeroConfig, ZeroPrecision
+
+    class Tiny(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(4, 1)
+
+        def training_step(self, batch, batch_idx):
+            return self.layer(batch[0]).pow(2).mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    trainer = pl.Trainer(accelerator="cpu", devices=1, plugins=[ZeroPrecision("16-mixed")], max_steps=2, logger=False,
+                         enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False)
+    with pytest.raises(RuntimeError, match="ZeroPrecision is used without a ZeroStrategy"):
+        trainer.fit(Tiny(), DataLoader(TensorDataset(torch.randn(8, 4)), batch_size=4))
+    with pytest.raises(Exception, match="positive, finite static scale"):
+        ZeroConfig(loss_scale=float("inf"))

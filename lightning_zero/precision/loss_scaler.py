@@ -9,7 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["DynamicLossScaler", "LossScaleAtMinimumError"]
+__all__ = ["DynamicLossScaler", "LossScaleAtMinimumError", "STATIC_OVERFLOW_LIMIT"]
+
+STATIC_OVERFLOW_LIMIT = 10  # consecutive skipped steps after which a static scale is an error
 
 
 class LossScaleAtMinimumError(RuntimeError):
@@ -47,6 +49,7 @@ class DynamicLossScaler:
         self.step_count = 0  # optimizer steps seen (skipped ones included)
         self.last_overflow_step = -1
         self.overflows = 0
+        self.consecutive_overflows = 0
 
     @property
     def fails_on_overflow(self) -> bool:
@@ -57,6 +60,13 @@ class DynamicLossScaler:
         """Account for one step; ``overflow`` means non-finite gradients on some rank."""
         if overflow:
             self.overflows += 1
+            self.consecutive_overflows += 1
+            if not self.dynamic and self.consecutive_overflows >= STATIC_OVERFLOW_LIMIT:
+                # a static scale never comes down: every later step would be skipped too, without a word
+                raise LossScaleAtMinimumError(
+                    f"the static loss scale {self.scale:g} overflowed the fp16 gradients in {self.consecutive_overflows} "
+                    f"consecutive steps, so none of them was applied. Use dynamic loss scaling (loss_scale=0, "
+                    f"DeepSpeed's fp16.loss_scale 0) or a smaller static scale.")
             if self.dynamic:
                 if self.cur_hysteresis > 1:
                     self.cur_hysteresis -= 1
@@ -68,6 +78,7 @@ class DynamicLossScaler:
                     self.scale = max(self.scale / self.scale_factor, self.min_scale)
             self.last_overflow_step = self.step_count
         else:
+            self.consecutive_overflows = 0
             if self.consecutive_hysteresis:
                 self.cur_hysteresis = self.hysteresis
             if self.dynamic and (self.step_count - self.last_overflow_step) % self.scale_window == 0:

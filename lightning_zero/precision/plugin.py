@@ -110,7 +110,12 @@ class ZeroPrecision(Precision):
 
     # ---- backward and step ------------------------------------------------------------------
     def pre_backward(self, tensor: Tensor, module: Any) -> Tensor:
-        return super().pre_backward(self.scaling.scale_loss(tensor, self._engine), module)
+        # another strategy (DDP) never calls zero_optimizer_step: the scaled loss would train unscaled into NaN
+        return super().pre_backward(self.scaling.scale_loss(tensor, self._require_engine()), module)
+
+    def optimizer_step(self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any) -> Any:
+        self._require_engine()  # Lightning's strategies other than ours step through here
+        return super().optimizer_step(optimizer, model, closure, **kwargs)
 
     def zero_optimizer_step(self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any) -> Any:
         """The whole step for one optimizer (see the module docstring for the order)."""
