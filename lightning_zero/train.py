@@ -113,6 +113,7 @@ def check_overrides(overrides: list[str]) -> None:
         key = arg.split("=", 1)[0].lstrip("+~")
         if (CONF_DIR / key).is_dir():
             _check_group_choice(key, arg.split("=", 1)[1])
+        _check_app_key(key, arg.split("=", 1)[1])
         if key.startswith("strategy."):
             name = key.split(".")[1]
             if name not in field_names() and name != "deepspeed_config":
@@ -123,6 +124,33 @@ def check_overrides(overrides: list[str]) -> None:
         ZeroConfig.from_dict(dict.fromkeys(unknown))  # raises ZeroConfigError for the first unknown key
     for arg in typed:
         _check_override_type(arg)
+
+
+def _check_app_key(key: str, value: str) -> None:
+    """A key nothing reads (``+zero.stage=3``, ``trainer.max_step=5``) or a whole number that is not one: one line
+    naming it (Hydra would add the first silently, and the others fail deep in the job)."""
+    top = OmegaConf.load(CONF_DIR / "config.yaml")
+    known = {k for k in top if k != "defaults"} | {p.name for p in CONF_DIR.iterdir() if p.is_dir()}
+    head = key.split(".", 1)[0]
+    if head not in known:
+        close = difflib.get_close_matches(head, sorted(known), n=1)
+        raise ZeroConfigError(f"'{key}' is not a setting of this app" + (f" — did you mean '{close[0]}'?" if close else ".")
+                              + f" Top-level settings: {', '.join(sorted(known - {'hydra'}))}.")
+    if head == "trainer" and "." in key:
+        import inspect
+
+        name = key.split(".")[1]
+        accepted = sorted(inspect.signature(pl.Trainer.__init__).parameters.keys() - {"self"})
+        if name not in accepted:
+            close = difflib.get_close_matches(name, accepted, n=1)
+            raise ZeroConfigError(f"trainer.{name} is not an argument of Lightning's Trainer"
+                                  + (f" — did you mean 'trainer.{close[0]}'?" if close else "."))
+    if "." not in key and isinstance(top.get(key), int) and not isinstance(top.get(key), bool) \
+            and not any(c in value for c in "()*[]{}$,") and value.strip() not in ("null",):
+        try:
+            int(value)
+        except ValueError:
+            raise ZeroConfigError(f"{key}={value} is not a whole number.") from None
 
 
 def _check_group_choice(group: str, value: str) -> None:

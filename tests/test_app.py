@@ -113,11 +113,23 @@ def test_schema_mirrors_zeroconfig() -> None:
 def test_bad_key_is_named_with_the_valid_options() -> None:
     with pytest.raises(ZeroConfigError, match=r"'stagee'.*Did you mean 'stage'.*Valid options: stage, "):
         train.check_overrides(["strategy=zero1", "strategy.stagee=2"])
-    train.check_overrides(["strategy.stage=3", "+trainer.foo=1", "--cfg", "job"])  # no complaint
+    train.check_overrides(["strategy.stage=3", "+trainer.detect_anomaly=true", "hydra.run.dir=x", "seed=7", "--cfg",
+                           "job"])  # no complaint
     with pytest.raises(ConfigCompositionException):  # composed directly, the schema rejects it
         _compose("strategy.stagee=2")
     with pytest.raises(ZeroConfigError, match="'stagee'"):  # `+` forces it past the schema: ZeroConfig stops it
         train.build_strategy(_compose("+strategy.stagee=2").strategy)
+
+
+@pytest.mark.parametrize("arg,needle", [("+zero.stage=3", "'zero.stage' is not a setting of this app. Top-level"),
+                                        ("+strategyy.stage=3", "did you mean 'strategy'?"),
+                                        ("+trainer.max_step=5", "did you mean 'trainer.max_steps'?"),
+                                        ("trainer.max_step=5", "is not an argument of Lightning's Trainer"),
+                                        ("seed=abc", "seed=abc is not a whole number")])
+def test_a_key_nothing_reads_or_a_number_that_is_not_one_is_named(arg: str, needle: str) -> None:
+    with pytest.raises(ZeroConfigError) as err:  # Hydra would add the first two silently; the rest fail deep in the job
+        train.check_overrides([arg])
+    assert needle in str(err.value)
 
 
 @pytest.mark.parametrize("arg,needle", [("strategy=zero9", "strategy=zero9 is not an option of 'strategy' — did you "
@@ -148,9 +160,13 @@ def test_bad_key_on_the_command_line_is_one_line(tmp_path: Path) -> None:
 @pytest.mark.parametrize("override,needle", [("data.batch_size=0", "data.batch_size=0 is invalid"),
                                              ("data.seq_len=-3", "data.seq_len=-3 is invalid"),
                                              ("model.d_model=65", "model.d_model=65 is invalid: it must be a whole "
-                                                                  "number that model.n_head=4 divides")])
+                                                                  "number that model.n_head=4 divides"),
+                                             ("strategy=zero3 strategy.wrap_modules=[Blok]", "wrap_modules names ['Blok'], which "
+                                                                              "match no module of the model"),
+                                             ("trainer.precision=64-true", "ZeroStrategy cannot run with the "
+                                                                           "precision plugin")])
 def test_a_bad_model_or_data_value_is_one_line(tmp_path: Path, override: str, needle: str) -> None:
-    out = _app(override, cwd=tmp_path, timeout=120)
+    out = _app(*override.split(), cwd=tmp_path, timeout=120)
     assert out.returncode == 2, out.stderr[-2000:]
     lines = out.stderr.strip().splitlines()
     assert lines[-1].startswith("error: ") and needle in lines[-1], out.stderr[-2000:]

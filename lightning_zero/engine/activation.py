@@ -17,6 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..config import ZeroConfigError
+
 __all__ = ["apply_activation_checkpointing"]
 
 _done: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # a second fit must not checkpoint twice
@@ -35,7 +37,7 @@ def apply_activation_checkpointing(root: nn.Module, class_names: tuple[str, ...]
     chosen = [m for m in root.modules() if type(m).__name__ in class_names]
     if not chosen:
         found = sorted({type(m).__name__ for m in root.modules()})
-        raise ValueError(f"activation_checkpointing={list(class_names)} matches no module of the model; "
+        raise ZeroConfigError(f"activation_checkpointing={list(class_names)} matches no module of the model; "
                          f"its module classes are: {', '.join(found)}.")
     for module in chosen:
         if module not in _done:

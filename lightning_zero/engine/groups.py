@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 from torch import nn
 
+from ..config import ZeroConfigError
 from .flat_unit import FlatUnit
 
 __all__ = ["group_modules", "group_lookup", "build_needs", "owner_of", "members_of"]
@@ -28,11 +29,11 @@ def group_modules(root: nn.Module, class_names: tuple[str, ...], min_params: int
         missing = set(class_names) - {type(m).__name__ for m in chosen}
         if missing:
             found = sorted({type(m).__name__ for m in root.modules()})
-            raise ValueError(f"wrap_modules names {sorted(missing)}, which match no module of the model; its module "
+            raise ZeroConfigError(f"wrap_modules names {sorted(missing)}, which match no module of the model; its module "
                              f"classes are: {', '.join(found)}.")
         for m in chosen:
             if not _has_forward(m):
-                raise ValueError(f"wrap_modules names {type(m).__name__}, which has no forward() (a container such "
+                raise ZeroConfigError(f"wrap_modules names {type(m).__name__}, which has no forward() (a container such "
                                  f"as ModuleList is iterated, never called), so its parameters would never be "
                                  f"gathered. Name the classes of the modules inside it instead.")
     else:

@@ -23,7 +23,7 @@ from lightning.fabric.utilities.apply_func import apply_to_collection
 from lightning.pytorch.plugins.precision import Precision
 from torch import Tensor
 
-from ..config import ZeroConfig
+from ..config import ZeroConfig, ZeroConfigError
 from ..engine.optim import unwrap
 from .loss_scaler import DynamicLossScaler
 from .step import LossScaling, make_scaler, zero_step
@@ -154,6 +154,10 @@ class ZeroPrecision(Precision):
         self.scaling.load_state_dict(state_dict)
 
 
+class UnsupportedPrecisionError(ZeroConfigError, TypeError):
+    """A precision setting ZeroStrategy does not run (a TypeError as before; a config error for the app's one line)."""
+
+
 def to_zero_precision(plugin: Precision, config: ZeroConfig) -> ZeroPrecision:
     """Turn Lightning's generic plugin (built from ``precision=``) into ours."""
     if isinstance(plugin, ZeroPrecision):
@@ -162,7 +166,7 @@ def to_zero_precision(plugin: Precision, config: ZeroConfig) -> ZeroPrecision:
         return plugin
     name = str(getattr(plugin, "precision", "32-true"))
     if type(plugin).__name__ not in ("Precision", "MixedPrecision", "HalfPrecision"):
-        raise TypeError(f"ZeroStrategy cannot run with the precision plugin {type(plugin).__name__} "
+        raise UnsupportedPrecisionError(f"ZeroStrategy cannot run with the precision plugin {type(plugin).__name__} "
                         f"(precision={name!r}); use precision='32-true', 'bf16-mixed', '16-mixed', 'bf16-true' or "
                         f"'16-true', or pass lightning_zero.ZeroPrecision(...) in plugins=[...].")
     return ZeroPrecision(name, config) if name.startswith("16") else ZeroPrecision(name)
