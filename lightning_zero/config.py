@@ -152,6 +152,21 @@ class ZeroConfig:
     offload_accumulation: str = "device"
     auto_placement: bool = False
 
+    def inert_settings(self) -> list[str]:
+        """Settings given away from their defaults that this configuration never reads (a warning: nothing trains
+        differently, but the user expected them to do something)."""
+        default, out = ZeroConfig(), []
+        if self.stage < 3 and not self.auto_placement:
+            out += [f"{name} applies to stage 3 only (stage {self.stage} gathers no parameters)"
+                    for name in ("wrap_modules", "prefetch", "param_persistence_threshold", "min_group_params")
+                    if getattr(self, name) != getattr(default, name)]
+        if self.delayed_step_warmup and not self.delayed_step:
+            out.append("delayed_step_warmup applies with delayed_step=True only")
+        if self.offload_accumulation != default.offload_accumulation and self.offload_optimizer == "none" \
+                and not self.auto_placement:
+            out.append("offload_accumulation applies with offload_optimizer only")
+        return out
+
     def __post_init__(self) -> None:
         for name in ("wrap_modules", "activation_checkpointing"):
             value = getattr(self, name)

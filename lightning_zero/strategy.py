@@ -69,6 +69,9 @@ class ZeroStrategy(ParallelStrategy):
                  process_group_backend: Optional[str] = None, deepspeed_config: Any = None, **options: Any) -> None:
         _reject_unknown(options)
         self.config, self.deepspeed = ds_glue.resolve(config, deepspeed_config, options, rank_zero_warn)
+        inert = self.config.inert_settings()
+        if inert:
+            rank_zero_warn("lightning_zero: " + "; ".join(inert) + ": ignored.")
         self._zero_precision: Optional[ZeroPrecision] = None
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,

@@ -184,3 +184,19 @@ def test_replace_validates_and_copies() -> None:
     with pytest.raises(ZeroConfigError) as info:
         cfg.replace(stagee=3)
     assert "'stage'" in str(info.value)
+
+
+def test_settings_this_configuration_never_reads_are_named():
+    import warnings
+
+    from lightning_zero import ZeroStrategy
+
+    assert ZeroConfig(stage=3, wrap_modules=["Block"], prefetch=2).inert_settings() == []
+    assert ZeroConfig(stage=2, auto_placement=True, wrap_modules=["Block"]).inert_settings() == []  # it may pick 3
+    inert = ZeroConfig(stage=1, wrap_modules=["Block"], prefetch=0, delayed_step_warmup=2,
+                       offload_accumulation="host").inert_settings()
+    assert [s.split(" ")[0] for s in inert] == ["wrap_modules", "prefetch", "delayed_step_warmup", "offload_accumulation"]
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        ZeroStrategy(stage=2, wrap_modules=["Block"])
+    assert any("wrap_modules applies to stage 3 only" in str(w.message) for w in seen)

@@ -89,10 +89,17 @@ class _WithOptimizer(TinyLM):
 
 
 def test_unsupported_optimizer_names_it_and_the_escape_hatch():
-    module = _WithOptimizer(lambda m: torch.optim.LBFGS(m.parameters()))
+    module = _WithOptimizer(lambda m: torch.optim.Adafactor(m.parameters()))
     with pytest.raises(UnsupportedOptimizerError) as info:
         _fit(module)
-    assert "LBFGS" in str(info.value) and "allow_untested_optimizer" in str(info.value)
+    assert "Adafactor" in str(info.value) and "allow_untested_optimizer" in str(info.value)
+
+
+@pytest.mark.parametrize("allow", [False, True])
+def test_an_optimizer_whose_step_needs_the_closure_is_refused_even_when_untested_ones_are_allowed(allow):
+    module = _WithOptimizer(lambda m: torch.optim.LBFGS(m.parameters()))
+    with pytest.raises(UnsupportedOptimizerError, match="LBFGS.step needs the closure"):
+        _fit(module, strategy=ZeroStrategy(stage=2, allow_untested_optimizer=allow))
 
 
 class PlainSGD(torch.optim.SGD):

@@ -66,6 +66,12 @@ def check_optimizer(optimizer: torch.optim.Optimizer, allow_untested: bool) -> N
     step = inspect.unwrap(type(optimizer).step)
     if any(isinstance(optimizer, cls) and step is inspect.unwrap(cls.step) for cls in ELEMENTWISE_OPTIMIZERS):
         return
+    closure = inspect.signature(step).parameters.get("closure")
+    if closure is not None and closure.default is inspect.Parameter.empty:
+        raise UnsupportedOptimizerError(
+            f"{type(optimizer).__name__}.step needs the closure to evaluate the loss again (as LBFGS does), which "
+            f"lightning_zero's step cannot give: it runs the closure once, then steps each rank's flat shards. Use an "
+            f"elementwise optimizer, or train this one under DDP.")
     if allow_untested:
         return
     names = ", ".join(cls.__name__ for cls in ELEMENTWISE_OPTIMIZERS)
