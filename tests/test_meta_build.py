@@ -42,3 +42,28 @@ def test_zero_init_keeps_buffers_and_refuses_a_parameter_nothing_initializes():
     assert r0["loss"] == r1["loss"] and torch.isfinite(torch.tensor(r0["loss"]))
     for r in run_ranks(zero_init_case, 2, True, timeout=120):
         assert "'bias'" in r["error"] and "reset_parameters() does not set them" in r["error"], r["error"]
+
+
+class _Drawn(torch.nn.Module):
+    """A parameter drawn in __init__ by a module without reset_parameters (a ViT's cls_token)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.token = torch.nn.Parameter(torch.randn(8) * 0.02)
+
+
+@pytest.mark.parametrize("middle,warned", [(_Drawn, True), (torch.nn.LayerNorm, False), (torch.nn.Identity, False)])
+def test_a_real_draw_during_a_meta_build_is_named(middle, warned):
+    """[Note: draws during a meta build]: the meta layers after such a draw cannot get a normal build's values."""
+    import warnings
+
+    from lightning_zero.engine.materialize import meta_parameters
+
+    torch.manual_seed(0)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with meta_parameters(torch.device("cpu"), real_bytes=0):
+            torch.nn.Sequential(torch.nn.Linear(8, 8), middle() if middle is _Drawn else middle(8) if middle is
+                                torch.nn.LayerNorm else middle(), torch.nn.Linear(8, 8))
+    named = [str(w.message) for w in seen if "random numbers were drawn" in str(w.message)]
+    assert bool(named) == warned and (not warned or "'_Drawn.token'" in named[0])

@@ -14,6 +14,7 @@ materialized the engine shards them, so no rank ever holds the whole model.
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -34,6 +35,22 @@ class MetaBuild:
         self.real_left = real_bytes
         self.rng: Optional[RngState] = None
         self._real: dict[int, weakref.ref] = {}  # parameters left real (assigned again: a tie, kept)
+        self._seen: Optional[RngState] = None  # the random state at the last registration since the first meta one
+        self.drawn_before: Optional[str] = None  # the first parameter registered after a real draw (see note_draws)
+
+    def note_draws(self, name: str) -> None:
+        """[Note: draws during a meta build] The meta parameters are initialized later by replaying their
+        ``reset_parameters`` from the random state at the first meta parameter, as if nothing else drew in
+        between. A real draw after it (``nn.Parameter(torch.randn(...))`` on a module without
+        ``reset_parameters``, a random buffer) takes the numbers a normal build gives the meta parameters, so it
+        and every meta parameter after it get other values than that build with the same seed. Registrations
+        compare the random state; the first one that finds it moved is named in a warning."""
+        if self.rng is None:
+            return
+        now = RngState()
+        if self._seen is not None and self.drawn_before is None and not now.same_as(self._seen):
+            self.drawn_before = name
+        self._seen = now
 
     def left_real(self, param: nn.Parameter) -> bool:
         ref = self._real.get(id(param))
@@ -61,6 +78,7 @@ def meta_parameters(device: torch.device, real_bytes: int = 0) -> Iterator[MetaB
     def to_meta(module: nn.Module, name: str, param: Optional[nn.Parameter]) -> Optional[nn.Parameter]:
         if param is None or param.is_meta or not param.is_floating_point() or build.left_real(param):
             return None
+        build.note_draws(f"{type(module).__name__}.{name}")
         size = param.numel() * param.element_size()
         if size <= build.real_left and build.rng is None or not callable(getattr(module, "reset_parameters", None)):
             build.real_left -= size
@@ -68,6 +86,7 @@ def meta_parameters(device: torch.device, real_bytes: int = 0) -> Iterator[MetaB
             return None
         if build.rng is None:
             build.rng = RngState()
+            build.note_draws(f"{type(module).__name__}.{name}")
         return nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=param.requires_grad)
 
     handle = register_module_parameter_registration_hook(to_meta)
@@ -76,6 +95,15 @@ def meta_parameters(device: torch.device, real_bytes: int = 0) -> Iterator[MetaB
             yield build
     finally:
         handle.remove()
+    if build.drawn_before is not None:
+        warnings.warn(
+            f"lightning_zero: random numbers were drawn while the model was built on the meta device, before "
+            f"'{build.drawn_before}' was registered (a parameter made with torch.randn in a module without "
+            f"reset_parameters(), or a random buffer). The meta parameters are initialized by replaying their "
+            f"reset_parameters() from the build's starting random state, so that parameter and the ones after it get "
+            f"other values than a normal build with the same seed (DDP's): training is correct, from another "
+            f"initialization. To match it, create such tensors in a module with reset_parameters(), or raise "
+            f"real_init_bytes above the model's size to build it for real.", stacklevel=3)
 
 
 class RngState:
@@ -84,6 +112,10 @@ class RngState:
     def __init__(self) -> None:
         self.cpu = torch.random.get_rng_state()
         self.cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+
+    def same_as(self, other: RngState) -> bool:
+        cuda_same = (self.cuda is None) == (other.cuda is None) and (self.cuda is None or torch.equal(self.cuda, other.cuda))
+        return torch.equal(self.cpu, other.cpu) and cuda_same
 
     def restore(self) -> None:
         torch.random.set_rng_state(self.cpu)
