@@ -273,6 +273,18 @@ def field_names() -> list[str]:
     return [f.name for f in dataclasses.fields(ZeroConfig) ]
 
 
+def _named_keywords(init: Any) -> Any:
+    """``ZeroConfig(stgae=3)``: ZeroConfig's one-line message with the close match, not Python's TypeError."""
+    def __init__(self: ZeroConfig, *args: Any, **kwargs: Any) -> None:
+        _reject_unknown(kwargs)
+        init(self, *args, **kwargs)
+    __init__.__doc__, __init__.__wrapped__ = init.__doc__, init  # type: ignore[attr-defined]
+    return __init__
+
+
+ZeroConfig.__init__ = _named_keywords(ZeroConfig.__init__)  # type: ignore[method-assign]
+
+
 def _reject_unknown(values: dict[str, Any]) -> None:
     import difflib
 

@@ -326,6 +326,11 @@ def _own_section(section: Any) -> dict[str, Any]:
 def _offload_optimizer(zero: dict, values: dict, notes: list[str]) -> None:
     section = zero.get("offload_optimizer")
     if zero.get("cpu_offload"):
+        given = section.get("device", "none") if isinstance(section, dict) else None
+        if given not in (None, "cpu"):
+            raise DeepSpeedConfigError(f"zero_optimization.cpu_offload=true (DeepSpeed's legacy key for "
+                                       f"offload_optimizer.device='cpu') and offload_optimizer.device={given!r} "
+                                       f"disagree: keep offload_optimizer alone.")
         notes.append("'zero_optimization.cpu_offload' is DeepSpeed's legacy key: read as offload_optimizer.device='cpu'")
         section = section or {"device": "cpu", **({"pin_memory": zero["cpu_offload_use_pin_memory"]}
                                                    if "cpu_offload_use_pin_memory" in zero else {})}

@@ -112,6 +112,12 @@ def apply_to_trainer(ds: DeepSpeedImport, trainer: Any, world_size: int = 1) -> 
         if trainer.gradient_clip_val not in (None, 0, ds.gradient_clip_val):
             raise DeepSpeedConfigError(f"gradient_clipping={ds.gradient_clip_val} in the DeepSpeed config but "
                                        f"Trainer(gradient_clip_val={trainer.gradient_clip_val}): keep one of them.")
+        algorithm = str(getattr(trainer, "gradient_clip_algorithm", None) or "norm")
+        if algorithm.lower().endswith("value"):
+            raise DeepSpeedConfigError(f"gradient_clipping={ds.gradient_clip_val} in the DeepSpeed config is a norm "
+                                       f"clip, but Trainer(gradient_clip_algorithm='value') would apply it to each "
+                                       f"value: drop gradient_clip_algorithm, or the JSON's gradient_clipping and set "
+                                       f"Trainer(gradient_clip_val=...) instead.")
         trainer.gradient_clip_val = ds.gradient_clip_val
     accumulate = ds.accumulate
     if accumulate is None and ds.train_batch_size is not None and ds.micro_batch_per_gpu is not None:

@@ -240,6 +240,8 @@ def build_scheduler(optimizer: torch.optim.Optimizer, spec: dict[str, Any]) -> D
                                            f"fills: give it a value, or configure the scheduler yourself.")
     try:
         return DeepSpeedSchedule(optimizer, kind, params)
+    except UnsupportedScheduleError:
+        raise  # already names the parameter and the fix
     except KeyError as err:
         raise UnsupportedScheduleError(f"DeepSpeed scheduler {kind} needs params.{err.args[0]}.") from None
     except (TypeError, ValueError, ZeroDivisionError) as err:

@@ -200,3 +200,9 @@ def test_settings_this_configuration_never_reads_are_named():
         warnings.simplefilter("always")
         ZeroStrategy(stage=2, wrap_modules=["Block"])
     assert any("wrap_modules applies to stage 3 only" in str(w.message) for w in seen)
+
+
+def test_a_misspelt_keyword_names_the_close_option():
+    with pytest.raises(ZeroConfigError, match="Unknown ZeroConfig option 'stgae'. Did you mean 'stage'"):
+        ZeroConfig(stgae=3)
+    assert ZeroConfig(stage=3).stage == 3 and dataclasses.replace(ZeroConfig(), stage=1).stage == 1

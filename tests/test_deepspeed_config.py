@@ -83,6 +83,7 @@ def test_the_real_users_config_loads_with_the_messages_they_need():
     ({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}, "without offload_optimizer"),
     ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "gpu"}}}, "'cpu', 'nvme' or 'none'"),
     ({"zero_optimization": {"stage": 2}, "optimizer": {"type": "Lamb"}}, "not supported"),
+    ({"zero_optimization": {"stage": 2, "cpu_offload": True, "offload_optimizer": {"device": "none"}}}, "disagree"),
     # a misspelt switch would silently mean the opposite of what the section says
     ({"bf16": {"enabeld": True}}, "did you mean 'bf16.enabled'"),
     ({"fp16": {"enable": True, "loss_scale": 0}}, "did you mean 'fp16.enabled'"),
@@ -375,3 +376,26 @@ def test_a_warmup_type_deepspeed_does_not_know_is_refused(kind):
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
     with pytest.raises(UnsupportedScheduleError, match="warmup_type='cosine'"):
         build_scheduler(optimizer, {"type": kind, "params": params})
+
+
+@pytest.mark.parametrize("algorithm", [None, "norm", "value"])
+def test_the_jsons_norm_clip_is_never_applied_as_value_clipping(algorithm):
+    from types import SimpleNamespace
+
+    from lightning_zero.ds_glue import apply_to_trainer
+
+    trainer = SimpleNamespace(gradient_clip_val=None, gradient_clip_algorithm=algorithm, accumulate_grad_batches=1)
+    ds = import_deepspeed_config({"gradient_clipping": 0.5, "zero_optimization": {"stage": 2}})
+    if algorithm == "value":
+        with pytest.raises(DeepSpeedConfigError, match="is a norm clip, but Trainer\\(gradient_clip_algorithm='value'\\)"):
+            apply_to_trainer(ds, trainer)
+    else:
+        apply_to_trainer(ds, trainer)
+        assert trainer.gradient_clip_val == 0.5
+
+
+def test_a_schedule_error_that_names_its_fix_is_not_wrapped_again():
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    with pytest.raises(UnsupportedScheduleError) as err:
+        build_scheduler(opt, {"type": "WarmupLR", "params": {"warmup_num_steps": 10, "warmup_type": "cubic"}})
+    assert str(err.value).endswith("write the one you mean.") and "give numbers" not in str(err.value)
