@@ -96,6 +96,13 @@ def test_unsupported_optimizer_names_it_and_the_escape_hatch():
 
 
 @pytest.mark.parametrize("allow", [False, True])
+def test_sparse_adam_is_refused_with_the_reason_not_the_opt_in(allow):
+    module = _WithOptimizer(lambda m: torch.optim.SparseAdam(m.parameters()))
+    with pytest.raises(UnsupportedOptimizerError, match="SparseAdam steps sparse gradients"):
+        _fit(module, strategy=ZeroStrategy(stage=2, allow_untested_optimizer=allow))
+
+
+@pytest.mark.parametrize("allow", [False, True])
 def test_an_optimizer_whose_step_needs_the_closure_is_refused_even_when_untested_ones_are_allowed(allow):
     module = _WithOptimizer(lambda m: torch.optim.LBFGS(m.parameters()))
     with pytest.raises(UnsupportedOptimizerError, match="LBFGS.step needs the closure"):

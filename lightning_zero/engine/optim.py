@@ -66,6 +66,10 @@ def check_optimizer(optimizer: torch.optim.Optimizer, allow_untested: bool) -> N
     step = inspect.unwrap(type(optimizer).step)
     if any(isinstance(optimizer, cls) and step is inspect.unwrap(cls.step) for cls in ELEMENTWISE_OPTIMIZERS):
         return
+    if isinstance(optimizer, getattr(torch.optim, "SparseAdam", ())):
+        raise UnsupportedOptimizerError(
+            "SparseAdam steps sparse gradients, which lightning_zero's flat shards cannot hold: use Adam or AdamW "
+            "(with sparse=False embeddings), or train this model under DDP.")
     closure = inspect.signature(step).parameters.get("closure")
     if closure is not None and closure.default is inspect.Parameter.empty:
         raise UnsupportedOptimizerError(
