@@ -148,5 +148,7 @@ def test_state_by_parameter_reaches_this_ranks_piece():
     assert piece not in state and here not in state
     state[here]["exp_avg"] = torch.zeros(2)  # defaultdict as torch's: a new entry, under the piece
     assert list(state) == [piece]
+    state["note"] = 1  # a key that is no tensor is plain too
+    assert "note" in state and state["note"] == 1 and state.pop("note") == 1
     plain = copy.deepcopy(state)
     assert type(plain) is defaultdict and len(plain) == 1

@@ -104,7 +104,7 @@ class PieceKeyedState(defaultdict):
 
     def _key(self, key: Any) -> tuple[bool, Any]:
         if not isinstance(key, torch.Tensor):
-            return _NOT_MANAGED
+            return False, key
         managed, piece = self.resolve(key)
         return (True, piece) if managed else (False, key)
 
