@@ -36,6 +36,7 @@ from .engine.materialize import RngState, has_meta, meta_parameters, move_all_bu
 from .engine.memory import MemoryReport, memory_report
 from .engine.schedule_check import GatherScheduleError
 from .engine.state import full_model_state, full_optimizer_state
+from .errors import user_errors
 from .lightning_grad_norm import install as install_grad_norm
 from .precision.buffers import match_compute_dtype
 from .precision.plugin import ZeroPrecision, to_zero_precision
@@ -657,7 +658,8 @@ class ZeroStrategy(ParallelStrategy):
         the cause leaves it; a rank that failed in some other collective's wait adds it to its own error."""
         if isinstance(exception, GatherScheduleError):
             self.comm.report_failure(str(exception))
-        elif isinstance(exception, RuntimeError) and _collective_failure(exception):
+        elif isinstance(exception, RuntimeError) and not isinstance(exception, user_errors()) \
+                and _collective_failure(exception):  # ours (a missing rank at a rendezvous) name their cause
             # the rank that names the cause times out later: its gathers in flight each time out in turn first
             cause = self.comm.reported_failure(min(8 * self.config.collective_timeout_s + 10.0, 240.0))
             if cause is not None:
