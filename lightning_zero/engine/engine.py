@@ -39,7 +39,7 @@ from .host_schedule import HostSchedule
 from .materialize import RngState, check_no_meta_left, has_meta, materialize_module, model_initializers
 from .norms import any_nonfinite, by_device, global_norm, grad_norms
 from .offload import Offloader
-from .optim import Routes, check_optimizer, pieces_in_groups, unwrap
+from .optim import Routes, check_optimizer, check_params, pieces_in_groups, unwrap
 from .readiness import ForwardOrder
 from .schedule_check import GatherScheduleCheck
 from .supported import check_supported
@@ -93,7 +93,7 @@ class ZeroEngine:
         self.group_modules = (group_modules(module, config.wrap_modules, config.min_group_params)
                               if config.shard_params else [])
         for k, optimizer in enumerate(self.optimizers):
-            self._check_params(k, optimizer)
+            check_params(k, optimizer, self.names)
         self.units: list[FlatUnit] = []
         self._build_units(init_rng)
         self._prepare_buffers()
@@ -121,7 +121,7 @@ class ZeroEngine:
         self.free_grads_at_step = free_grads_at_step
         self.routes = Routes()
         for optimizer in self.optimizers:
-            self.routes.adopt(optimizer, self.optimizer_step, self.zero_grad, resolve=self._state_resolver())
+            self.routes.adopt(optimizer, self.optimizer_step, self.zero_grad, resolve=self._state_key)
         self.route_wrappers(wrappers)
         self.routes.route_module(module, self.zero_all_grads)
         self._sync_buffers_next = True  # see before_training_forward
@@ -137,21 +137,6 @@ class ZeroEngine:
         return next((e for e in list(_live) if id(param) in e._slot), None)
 
     # ---- construction -------------------------------------------------------------------------
-    def _check_params(self, k: int, optimizer: torch.optim.Optimizer) -> None:
-        seen: dict[int, str] = {}
-        for g, group in enumerate(optimizer.param_groups):
-            for p in group["params"]:
-                if id(p) not in self.names:
-                    raise ValueError(
-                        f"Optimizer {k} ({type(optimizer).__name__}) param group {g} holds a tensor of shape "
-                        f"{tuple(p.shape)} that is not a parameter of the model. lightning_zero can only shard the "
-                        f"model's own parameters: pass self.parameters() (or a subset) to it.")
-                if id(p) in seen:
-                    raise ValueError(
-                        f"Parameter '{self.names[id(p)]}' appears in two optimizer param groups ({seen[id(p)]} and "
-                        f"optimizer {k} group {g}); each parameter can belong to one only.")
-                seen[id(p)] = f"optimizer {k} group {g}"
-
     def _plans(self) -> list[tuple[list[nn.Parameter], Optional[nn.Module]]]:
         """(parameters, group module or None): one entry per unit to build.
 
@@ -442,17 +427,8 @@ class ZeroEngine:
                 out.append(found)
         return out
 
-    def _state_resolver(self) -> Callable[[Any], tuple[bool, Any]]:
-        """``optimizer.state`` by module parameter (see [Note: state by parameter] in :mod:`.optim`); holds the
-        engine weakly (the optimizer may outlive it)."""
-        ref = weakref.WeakMethod(self._state_key)
-
-        def resolve(key: Any) -> tuple[bool, Any]:
-            method = ref()
-            return method(key) if method is not None else (False, None)
-        return resolve
-
     def _state_key(self, key: Any) -> tuple[bool, Any]:
+        """``optimizer.state`` by module parameter: (managed, this rank's piece); see [Note: state by parameter]."""
         found = self._slot.get(id(key))
         if found is None or found[0].params[found[1]] is not key:
             return False, None
@@ -728,12 +704,12 @@ class ZeroEngine:
         for k, optimizer in enumerate(current):
             if id(optimizer) not in known:
                 check_optimizer(optimizer, self.config.allow_untested_optimizer)
-                self._check_params(k, optimizer)
+                check_params(k, optimizer, self.names)
         for optimizer in gone:
             self.routes.release_optimizer(optimizer)
         for optimizer in new:
             self.routes.adopt(optimizer, self.optimizer_step, self.zero_grad, pieces=self._piece_slot,
-                              resolve=self._state_resolver())
+                              resolve=self._state_key)
         self.optimizers = current
         if new and self.offloader is not None:
             self.host_schedule.trial = None  # a speculation trial timed the old optimizer: it must not set it again

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import inspect
 import types
+import weakref
 from collections import defaultdict
 from collections.abc import Callable, Container, Iterator
 from contextlib import contextmanager
@@ -36,7 +37,8 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-__all__ = ["ELEMENTWISE_OPTIMIZERS", "UnsupportedOptimizerError", "check_optimizer", "Routes", "PieceKeyedState",
+__all__ = ["ELEMENTWISE_OPTIMIZERS", "UnsupportedOptimizerError", "check_optimizer", "check_params", "Routes",
+           "PieceKeyedState",
            "pieces_in_groups",
            "lazy_state_bytes", "unwrap", "fuse_on_host"]
 
@@ -87,6 +89,23 @@ def check_optimizer(optimizer: torch.optim.Optimizer, allow_untested: bool) -> N
     )
 
 
+def check_params(k: int, optimizer: torch.optim.Optimizer, names: dict[int, str]) -> None:
+    """Optimizer ``k`` holds only the model's parameters (``names``: id -> name), each in one group."""
+    seen: dict[int, str] = {}
+    for g, group in enumerate(optimizer.param_groups):
+        for p in group["params"]:
+            if id(p) not in names:
+                raise ValueError(
+                    f"Optimizer {k} ({type(optimizer).__name__}) param group {g} holds a tensor of shape "
+                    f"{tuple(p.shape)} that is not a parameter of the model. lightning_zero can only shard the "
+                    f"model's own parameters: pass self.parameters() (or a subset) to it.")
+            if id(p) in seen:
+                raise ValueError(
+                    f"Parameter '{names[id(p)]}' appears in two optimizer param groups ({seen[id(p)]} and "
+                    f"optimizer {k} group {g}); each parameter can belong to one only.")
+            seen[id(p)] = f"optimizer {k} group {g}"
+
+
 _NOT_MANAGED = (False, None)
 
 
@@ -97,7 +116,12 @@ class PieceKeyedState(defaultdict):
     def __init__(self, default_factory: Any = dict, *args: Any,
                  resolve: Callable[[Any], tuple[bool, Any]] = lambda key: _NOT_MANAGED) -> None:
         super().__init__(default_factory, *args)
-        self.resolve = resolve
+        # a bound method (the engine's) is held weakly: the optimizer may outlive its engine
+        self._resolve = weakref.WeakMethod(resolve) if inspect.ismethod(resolve) else lambda: resolve
+
+    def resolve(self, key: Any) -> tuple[bool, Any]:
+        method = self._resolve()
+        return method(key) if method is not None else _NOT_MANAGED
 
     def __reduce__(self) -> Any:  # copies and pickles are plain state
         return (defaultdict, (self.default_factory,), None, None, iter(self.items()))
